@@ -1,0 +1,46 @@
+"""te-serial's error hierarchy: every failure a user can see is a TeSerialError."""
+
+from __future__ import annotations
+
+
+class TeSerialError(Exception):
+    """Base class of every error te-serial raises on purpose."""
+
+
+class FormatError(TeSerialError):
+    """A quantizer, storage class or buffer set is not valid for its format."""
+
+
+class ShapeError(FormatError, ValueError):
+    """A tensor shape breaks a format's rule (e.g. MXFP8 needs dims divisible by 32)."""
+
+
+class BufferMismatchError(FormatError):
+    """Inner buffers disagree with what the quantizer describes (names, shapes, dtypes)."""
+
+
+class UnknownQuantizerError(FormatError):
+    """A quantizer kind that is not in te-serial's registry."""
+
+
+class UnknownStorageError(FormatError):
+    """A storage class name that is not in te-serial's storage registry."""
+
+
+class QuantizationError(TeSerialError):
+    """A quantizer cannot produce a reproducible result for this input or configuration."""
+
+
+class UnsupportedOperationError(TeSerialError, NotImplementedError):
+    """An operation that a quantized tensor cannot perform (e.g. in-place arithmetic)."""
+
+
+class CheckpointError(TeSerialError):
+    """A checkpoint could not be written or read; the message names file, tensor and field."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
+                 field: str | None = None) -> None:
+        where = ", ".join(f"{k}={v!r}" for k, v in (("file", file), ("tensor", tensor),
+                                                    ("field", field)) if v is not None)
+        super().__init__(f"{message} ({where})" if where else message)
+        self.file, self.tensor, self.field = file, tensor, field

@@ -1,0 +1,20 @@
+"""TE's quantized formats in pure PyTorch: one module per format, shared machinery in ``base``."""
+
+from .base import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, QuantizedTensor,
+                   QuantizedTensorStorage, Quantizer, StorageMeta, resolve_quantizer,
+                   resolve_storage)
+from .blockwise import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
+from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
+from .mxfp8 import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
+from .nvfp4 import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
+from .swizzle import swizzle_scales, unswizzle_scales
+
+__all__ = [
+    "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "BufferSpec", "QuantizedTensor",
+    "QuantizedTensorStorage", "Quantizer", "StorageMeta", "resolve_quantizer", "resolve_storage",
+    "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+    "Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "Float8TensorStorage",
+    "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
+    "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
+    "swizzle_scales", "unswizzle_scales",
+]

@@ -1,0 +1,429 @@
+"""What every format shares: quantizer base, buffer specs, registries, storage and wrapper classes.
+
+A format module declares three things once and everything else follows from them here:
+
+* its storage class's ``BUFFERS`` (TE's inner buffer attribute names, in flatten order),
+* its quantizer's ``_buffer_specs(shape)`` (the one place its buffer shapes and dtypes are written),
+* its quantizer's ``_quantize`` / ``_dequantize`` numerics.
+
+Allocation (``alloc_tensors``), validation (``check_buffers``), flatten/unflatten, device moves,
+``repr`` and the registries are generic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Mapping, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from ..dtypes import dtype_from_name, dtype_name
+from ..errors import (BufferMismatchError, FormatError, ShapeError, UnknownQuantizerError,
+                      UnknownStorageError, UnsupportedOperationError)
+
+__all__ = [
+    "BufferSpec", "StorageMeta", "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
+    "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "resolve_quantizer", "resolve_storage",
+    "flatten_2d",
+]
+
+
+class BufferSpec(NamedTuple):
+    """Shape and dtype of one inner buffer (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class StorageMeta(NamedTuple):
+    """The non-tensor half of ``__tensor_flatten__``: everything unflatten needs besides buffers."""
+
+    storage: str                # registry name of the storage / wrapper class
+    quantizer: "Quantizer"
+    fake_dtype: torch.dtype     # the nominal high-precision dtype
+    requires_grad: bool = False
+
+
+#: kind → quantizer class; filled by ``Quantizer.__init_subclass__``.
+QUANTIZER_REGISTRY: dict[str, type["Quantizer"]] = {}
+#: class name → storage or wrapper class; filled by ``QuantizedTensorStorage.__init_subclass__``.
+STORAGE_REGISTRY: dict[str, type["QuantizedTensorStorage"]] = {}
+
+
+def resolve_quantizer(kind: str) -> type["Quantizer"]:
+    """The quantizer class registered under ``kind``; nothing outside the registry resolves."""
+    try:
+        return QUANTIZER_REGISTRY[kind]
+    except (KeyError, TypeError):
+        raise UnknownQuantizerError(
+            f"unknown quantizer kind {kind!r}; registered: {sorted(QUANTIZER_REGISTRY)}") from None
+
+
+def resolve_storage(name: str) -> type["QuantizedTensorStorage"]:
+    """The storage class registered under ``name``; nothing outside the registry resolves."""
+    try:
+        return STORAGE_REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnknownStorageError(
+            f"unknown storage class {name!r}; registered: {sorted(STORAGE_REGISTRY)}") from None
+
+
+def flatten_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """TE's 2-D view of a tensor: M = prod(shape[:-1]), K = shape[-1]."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _encode_field(value: Any) -> Any:
+    return dtype_name(value) if isinstance(value, torch.dtype) else value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Quantizer:
+    """Base of te-serial's quantizers: immutable, compared and hashed by value.
+
+    ``rowwise`` / ``columnwise`` choose which usages (TE's GEMM directions) are produced.
+    """
+
+    rowwise: bool = True
+    columnwise: bool = True
+
+    #: stable registry name written into checkpoints
+    kind: ClassVar[str] = ""
+    #: class returned by ``quantize(internal=True)`` and ``quantize()`` respectively
+    storage_class: ClassVar[type["QuantizedTensorStorage"]]
+    tensor_class: ClassVar[type["QuantizedTensor"]]
+    #: fields holding torch dtypes (serialized by name)
+    _dtype_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind:
+            if kind in QUANTIZER_REGISTRY and QUANTIZER_REGISTRY[kind].__qualname__ != cls.__qualname__:
+                raise FormatError(f"quantizer kind {kind!r} registered twice")
+            QUANTIZER_REGISTRY[kind] = cls
+
+    def __post_init__(self) -> None:
+        if not (self.rowwise or self.columnwise):
+            raise FormatError(f"{type(self).__name__} needs at least one of rowwise/columnwise")
+
+    # --- usages (TE names) -------------------------------------------------------------------
+    @property
+    def rowwise_usage(self) -> bool:
+        return self.rowwise
+
+    @property
+    def columnwise_usage(self) -> bool:
+        return self.columnwise
+
+    def get_usages(self) -> dict[str, bool]:
+        return {"rowwise": self.rowwise, "columnwise": self.columnwise}
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> "Quantizer":
+        """A copy with other usages (quantizers are immutable)."""
+        return dataclasses.replace(
+            self, rowwise=self.rowwise if rowwise is None else rowwise,
+            columnwise=self.columnwise if columnwise is None else columnwise)
+
+    def copy(self) -> "Quantizer":
+        return self
+
+    # --- the format's one shape rule ----------------------------------------------------------
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Raise :class:`ShapeError` if this format cannot hold a tensor of ``shape``."""
+        if len(shape) < 1:
+            raise ShapeError(f"{type(self).__name__} needs a tensor with at least one dim, "
+                             f"got shape {tuple(shape)}")
+
+    def _buffer_specs(self, shape: tuple[int, ...]) -> dict[str, BufferSpec]:
+        raise NotImplementedError
+
+    def describe_buffers(self, shape) -> dict[str, BufferSpec]:
+        """name → (shape, dtype) of each inner buffer for a tensor of ``shape``, in flatten order."""
+        shape = tuple(int(s) for s in shape)
+        self.check_shape(shape)
+        return self._buffer_specs(shape)
+
+    def alloc_tensors(self, shape, device=None) -> dict[str, torch.Tensor]:
+        """Uninitialized inner buffers for a tensor of ``shape`` (pure Python; traceable)."""
+        return {name: torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                for name, spec in self.describe_buffers(shape).items()}
+
+    def create_metadata(self, shape, dtype: torch.dtype, requires_grad: bool = False) -> StorageMeta:
+        """The unflatten context for a wrapper tensor of ``shape`` with nominal ``dtype``."""
+        self.check_shape(tuple(shape))
+        return StorageMeta(self.tensor_class.__name__, self, dtype, requires_grad)
+
+    def nbytes(self, shape) -> int:
+        """Bytes of all inner buffers for a tensor of ``shape``."""
+        return sum(spec.nbytes for spec in self.describe_buffers(shape).values())
+
+    def check_buffers(self, shape, buffers: Mapping[str, torch.Tensor | None], *,
+                      where: str = "tensor") -> None:
+        """Raise :class:`BufferMismatchError` unless ``buffers`` is exactly what this quantizer makes."""
+        specs = self.describe_buffers(shape)
+        present = {n: b for n, b in buffers.items() if b is not None}
+        if set(present) != set(specs):
+            raise BufferMismatchError(
+                f"{where}: {type(self).__name__} for shape {tuple(shape)} has buffers "
+                f"{sorted(specs)}, got {sorted(present)}")
+        for name, spec in specs.items():
+            b = present[name]
+            if tuple(b.shape) != spec.shape or b.dtype != spec.dtype:
+                raise BufferMismatchError(
+                    f"{where}: buffer {name} should be {dtype_name(spec.dtype)}{list(spec.shape)}, "
+                    f"got {b.dtype}{list(b.shape)}")
+
+    # --- numerics -------------------------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor, *, fake_dtype: torch.dtype | None = None,
+                 internal: bool = False) -> "QuantizedTensorStorage":
+        """Quantize ``x`` with TE's numerics; a wrapper tensor (or bare storage if ``internal``)."""
+        if isinstance(x, QuantizedTensorStorage):
+            x = x.dequantize()
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise FormatError(f"{type(self).__name__}.quantize needs a floating-point tensor, "
+                              f"got {getattr(x, 'dtype', type(x))}")
+        shape = tuple(x.shape)
+        self.check_shape(shape)
+        buffers = self._quantize(x.detach())
+        cls = self.storage_class if internal else self.tensor_class
+        return cls(shape, fake_dtype or x.dtype, self, **buffers)
+
+    __call__ = quantize
+
+    # --- serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON/msgpack-ready fields: ``{"kind": ..., field: value}`` with dtypes by name."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            out[f.name] = _encode_field(getattr(self, f.name))
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "Quantizer":
+        """Rebuild a quantizer from :meth:`to_dict`'s output, through the registry only."""
+        if not isinstance(data, Mapping):
+            raise FormatError(f"quantizer must be a mapping, got {type(data).__name__}")
+        cls = resolve_quantizer(data.get("kind"))
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names - {"kind"}
+        if unknown:
+            raise FormatError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+        kwargs = {k: (dtype_from_name(v) if k in cls._dtype_fields else v)
+                  for k, v in data.items() if k != "kind"}
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise FormatError(f"bad fields for {cls.__name__}: {e}") from None
+
+
+def _first_buffer(buffers: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    for b in buffers.values():
+        if b is not None:
+            return b
+    raise BufferMismatchError("a quantized tensor needs at least one inner buffer")
+
+
+class QuantizedTensorStorage:
+    """Holds a quantized tensor's inner buffers (TE's ``*TensorStorage``); not a torch.Tensor.
+
+    Subclasses declare ``BUFFERS`` once; they are registered by class name in
+    :data:`STORAGE_REGISTRY`, which is the only way ``__tensor_unflatten__`` finds a class.
+    """
+
+    BUFFERS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        other = STORAGE_REGISTRY.get(cls.__name__)
+        if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise FormatError(f"storage class name {cls.__name__!r} registered twice")
+        STORAGE_REGISTRY[cls.__name__] = cls
+
+    def __init__(self, shape, fake_dtype: torch.dtype, quantizer: Quantizer, *,
+                 requires_grad: bool = False, **buffers: torch.Tensor | None) -> None:
+        unknown = set(buffers) - set(self.BUFFERS)
+        if unknown:
+            raise BufferMismatchError(f"{type(self).__name__} has no buffer(s) {sorted(unknown)}")
+        for name in self.BUFFERS:
+            setattr(self, name, buffers.get(name))
+        self._quantizer = quantizer
+        self._fake_dtype = fake_dtype
+        self._logical_shape = torch.Size(shape)
+
+    # --- introspection ------------------------------------------------------------------------
+    @property
+    def quantizer(self) -> Quantizer:
+        return self._quantizer
+
+    @property
+    def fake_dtype(self) -> torch.dtype:
+        return self._fake_dtype
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        return self._logical_shape
+
+    @property
+    def usages(self) -> dict[str, bool]:
+        return self._quantizer.get_usages()
+
+    def get_usages(self) -> dict[str, bool]:
+        return self.usages
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Present inner buffers, by TE attribute name, in flatten order."""
+        return {n: getattr(self, n) for n in self.BUFFERS if getattr(self, n) is not None}
+
+    def quantized_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers().values())
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision values (fp32 math, as TE), as ``dtype`` (default: nominal dtype)."""
+        out = self._quantizer._dequantize(self.buffers(), self._logical_shape)
+        return out.to(dtype or self._fake_dtype)
+
+    # --- flatten protocol -----------------------------------------------------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], StorageMeta]:
+        meta = StorageMeta(type(self).__name__, self._quantizer, self._fake_dtype,
+                           bool(getattr(self, "requires_grad", False)))
+        return [n for n in self.BUFFERS if getattr(self, n) is not None], meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner: Mapping[str, torch.Tensor], meta: StorageMeta,
+                             outer_size, outer_stride=None) -> "QuantizedTensorStorage":
+        cls = resolve_storage(meta.storage)
+        return cls(outer_size, meta.fake_dtype, meta.quantizer,
+                   requires_grad=meta.requires_grad, **inner)
+
+    def _rebuild(self, buffers: Mapping[str, torch.Tensor], **overrides: Any) -> "QuantizedTensorStorage":
+        """Same class and metadata, other buffers (device moves, clones, detach)."""
+        kwargs = dict(shape=self._logical_shape, fake_dtype=self._fake_dtype,
+                      quantizer=self._quantizer)
+        kwargs.update(overrides)
+        return type(self)(kwargs.pop("shape"), kwargs.pop("fake_dtype"), kwargs.pop("quantizer"),
+                          **kwargs, **buffers)
+
+    def __repr__(self) -> str:
+        bufs = ", ".join(f"{n}={dtype_name(b.dtype)}{list(b.shape)}" for n, b in self.buffers().items())
+        device = _first_buffer(self.buffers()).device
+        return (f"{type(self).__name__}(shape={list(self._logical_shape)}, "
+                f"dtype={dtype_name(self._fake_dtype)}, device={device}, "
+                f"quantizer={self._quantizer!r}, {bufs})")
+
+
+# --- the torch.Tensor wrapper subclass -------------------------------------------------------
+
+_aten = torch.ops.aten
+
+
+def _mutated_quantized_arg(func, args, kwargs) -> bool:
+    schema = func._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, QuantizedTensor):
+            return True
+    return False
+
+
+class QuantizedTensor(torch.Tensor):
+    """A ``torch.Tensor`` wrapper subclass with a nominal high-precision dtype.
+
+    Format classes are ``XTensor(XTensorStorage, QuantizedTensor)``, as in TE. Device moves,
+    ``detach``, ``clone`` and ``copy_`` between equal formats keep the bytes; any other op
+    sees the dequantized values (so ``F.linear(x, qweight)`` just works).
+    """
+
+    @staticmethod
+    def __new__(cls, shape, fake_dtype: torch.dtype, quantizer: Quantizer, *,
+                requires_grad: bool = False, **buffers: torch.Tensor | None):
+        device = _first_buffer(buffers).device
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=fake_dtype, device=device,
+                                                   requires_grad=requires_grad)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __reduce_ex__(self, protocol):
+        raise UnsupportedOperationError(
+            f"{type(self).__name__} is not picklable by design; use te_serial.save_quantized")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _DISPATCH.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if _mutated_quantized_arg(func, args, kwargs):
+            raise UnsupportedOperationError(
+                f"{func} would modify a quantized tensor in place; dequantize it first")
+        args, kwargs = tree_map_only(QuantizedTensor, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _detach(t: QuantizedTensor) -> QuantizedTensor:
+    return t._rebuild(t.buffers())
+
+
+def _clone(t: QuantizedTensor, *, memory_format=None) -> QuantizedTensor:
+    return t._rebuild({n: b.clone() for n, b in t.buffers().items()})
+
+
+def _to_copy(t: QuantizedTensor, *, dtype=None, layout=None, device=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    if dtype is not None and dtype != t.dtype:
+        out = t.dequantize(dtype)
+        return out.to(device=device or out.device, non_blocking=non_blocking)
+    device = torch.device(device) if device is not None else t.device
+    moved = {}
+    for n, b in t.buffers().items():
+        b = b.to(device=device, non_blocking=non_blocking, copy=True)
+        moved[n] = b.pin_memory() if pin_memory and device.type == "cpu" else b
+    return t._rebuild(moved)
+
+
+def _copy_(dst, src, non_blocking=False):
+    if isinstance(dst, QuantizedTensor):
+        if dst.shape != src.shape:
+            raise UnsupportedOperationError(f"copy_ between shapes {tuple(src.shape)} and {tuple(dst.shape)}")
+        if not (isinstance(src, QuantizedTensor) and type(src) is type(dst)
+                and src.quantizer == dst.quantizer):
+            # Different formats (or plain source): requantize with the destination's quantizer.
+            hp = src.dequantize() if isinstance(src, QuantizedTensorStorage) else src
+            src = dst.quantizer.quantize(hp.to(device=dst.device), fake_dtype=dst.dtype)
+        for name, b in dst.buffers().items():
+            b.copy_(getattr(src, name), non_blocking=non_blocking)
+        return dst
+    return dst.copy_(src.dequantize(), non_blocking=non_blocking)
+
+
+def _empty_like(t: QuantizedTensor, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+    device = device if device is not None else t.device
+    if dtype is not None and dtype != t.dtype:
+        return torch.empty(t.shape, dtype=dtype, device=device)
+    buffers = t.quantizer.alloc_tensors(t.shape, device=device)
+    return t._rebuild(buffers)
+
+
+_DISPATCH = {
+    _aten.detach.default: _detach,
+    _aten.alias.default: _detach,
+    _aten.clone.default: _clone,
+    _aten._to_copy.default: _to_copy,
+    _aten.copy_.default: _copy_,
+    _aten.empty_like.default: _empty_like,
+}

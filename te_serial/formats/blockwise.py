@@ -1,0 +1,137 @@
+"""FP8 blockwise (DeepSeek-style): fp32 scales per 1×128 vector or 128×128 tile.
+
+TE: pytorch/tensor/float8_blockwise_tensor.py, common/transpose/quantize_transpose_*_blockwise.cu.
+Rowwise data has the logical shape; columnwise data is the transpose ``(S[-1], *S[:-1])``. In 1-D
+mode the two directions are quantized separately (rowwise blocks along K, columnwise along M);
+in 2-D mode the columnwise copy is the exact transpose. Partial edge blocks take the amax of the
+elements that exist. Scales are stored as TE's ``get_scale_shape`` says, with padding zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Mapping
+
+import torch
+
+from .. import numerics as nx
+from ..errors import FormatError
+from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d
+
+BLOCK = 128
+
+
+class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
+    BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+
+
+class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
+    """Blockwise FP8 tensor (TE's ``Float8BlockwiseQTensor``)."""
+
+
+def _blocks_amax(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """amax per (rows × cols) block of a 2-D tensor, edge blocks over existing elements only."""
+    m, k = x2.shape
+    mb, kb = nx.ceil_div(m, rows), nx.ceil_div(k, cols)
+    padded = nx.pad_to(x2, (mb * rows, kb * cols))  # zero padding never raises an amax
+    return nx.nan_ignoring_amax(padded.reshape(mb, rows, kb, cols), dim=(1, 3))
+
+
+def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x * (scale of its block), for per-block scales [ceil(M/rows), ceil(K/cols)]."""
+    m, k = x2.shape
+    mb, kb = scale.shape
+    padded = nx.pad_to(x2, (mb * rows, kb * cols))
+    out = padded.reshape(mb, rows, kb, cols) * scale[:, None, :, None]
+    return out.reshape(mb * rows, kb * cols)[:m, :k]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockQuantizer(Quantizer):
+    """Blockwise FP8: ``block_scaling_dim`` 1 → 1×128 vectors, 2 → 128×128 tiles."""
+
+    kind: ClassVar[str] = "fp8_blockwise"
+    storage_class: ClassVar[type] = Float8BlockwiseQTensorStorage
+    tensor_class: ClassVar[type] = Float8BlockwiseQTensor
+    _dtype_fields: ClassVar[tuple[str, ...]] = ("fp8_dtype",)
+    block_len: ClassVar[int] = BLOCK
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    amax_epsilon: float = dataclasses.field(default=0.0, kw_only=True)
+    force_pow_2_scales: bool = dataclasses.field(default=True, kw_only=True)
+    block_scaling_dim: int = dataclasses.field(default=2, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_dtype not in nx.FP8_DTYPES:
+            raise FormatError(f"Float8BlockQuantizer: fp8_dtype must be one of {nx.FP8_DTYPES}, got {self.fp8_dtype}")
+        if self.block_scaling_dim not in (1, 2):
+            raise FormatError(f"Float8BlockQuantizer: block_scaling_dim must be 1 or 2, got {self.block_scaling_dim}")
+        object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
+
+    def _buffer_specs(self, shape):
+        m, k = flatten_2d(shape)
+        mb, kb = nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
+        if self.block_scaling_dim == 2:
+            row_scale, col_scale = (mb, nx.round_up(kb, 4)), (kb, nx.round_up(mb, 4))
+        else:
+            row_scale, col_scale = (kb, nx.round_up(m, 4)), (mb, nx.round_up(k, 4))
+        specs = {}
+        if self.rowwise:
+            specs["_rowwise_data"] = BufferSpec(shape, torch.uint8)
+            specs["_rowwise_scale_inv"] = BufferSpec(row_scale, torch.float32)
+        if self.columnwise:
+            specs["_columnwise_data"] = BufferSpec((shape[-1], *shape[:-1]), torch.uint8)
+            specs["_columnwise_scale_inv"] = BufferSpec(col_scale, torch.float32)
+        return specs
+
+    def _scale(self, amax: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
+        return nx.scale_from_amax(amax, nx.fp8_max(self.fp8_dtype),
+                                  force_pow_2_scales=self.force_pow_2_scales,
+                                  epsilon=self.amax_epsilon,
+                                  value_for_inf=torch.finfo(input_dtype).max)
+
+    def _quantize(self, x):
+        shape = tuple(x.shape)
+        m, k = flatten_2d(shape)
+        x2 = x.reshape(m, k).float()
+        specs = self._buffer_specs(shape)
+        col_shape = (shape[-1], *shape[:-1])
+        out = {}
+        if self.block_scaling_dim == 2:
+            scale = self._scale(_blocks_amax(x2, BLOCK, BLOCK), x.dtype)
+            q = nx.cast_to_fp8(_scaled(x2, scale, BLOCK, BLOCK), self.fp8_dtype)
+            scale_inv = nx.reciprocal(scale)
+            if self.rowwise:
+                out["_rowwise_data"] = q.reshape(shape)
+                out["_rowwise_scale_inv"] = nx.pad_to(scale_inv, specs["_rowwise_scale_inv"].shape)
+            if self.columnwise:
+                out["_columnwise_data"] = q.t().contiguous().reshape(col_shape)
+                out["_columnwise_scale_inv"] = nx.pad_to(scale_inv.t(), specs["_columnwise_scale_inv"].shape)
+            return out
+        if self.rowwise:  # 1×128 along K; scales stored transposed: [ceil(K/128), roundup(M,4)]
+            scale = self._scale(_blocks_amax(x2, 1, BLOCK), x.dtype)
+            out["_rowwise_data"] = nx.cast_to_fp8(_scaled(x2, scale, 1, BLOCK), self.fp8_dtype).reshape(shape)
+            out["_rowwise_scale_inv"] = nx.pad_to(nx.reciprocal(scale).t(), specs["_rowwise_scale_inv"].shape)
+        if self.columnwise:  # transposed data [K, M], 1×128 along M; scales [ceil(M/128), roundup(K,4)]
+            xt = x2.t()
+            scale = self._scale(_blocks_amax(xt, 1, BLOCK), x.dtype)
+            q = nx.cast_to_fp8(_scaled(xt, scale, 1, BLOCK), self.fp8_dtype)
+            out["_columnwise_data"] = q.contiguous().reshape(col_shape)
+            out["_columnwise_scale_inv"] = nx.pad_to(nx.reciprocal(scale).t(), specs["_columnwise_scale_inv"].shape)
+        return out
+
+    def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
+        shape = tuple(shape)
+        m, k = flatten_2d(shape)
+        mb, kb = nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
+        two_d = self.block_scaling_dim == 2
+        if "_rowwise_data" in buffers:
+            q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k)
+            s = buffers["_rowwise_scale_inv"]
+            s = s[:mb, :kb] if two_d else s[:kb, :m].t()
+            return _scaled(q, s, BLOCK if two_d else 1, BLOCK).reshape(shape)
+        qt = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(k, m)
+        s = buffers["_columnwise_scale_inv"]
+        s = s[:kb, :mb] if two_d else s[:mb, :k].t()
+        return _scaled(qt, s, BLOCK if two_d else 1, BLOCK).t().reshape(shape)

@@ -1,0 +1,167 @@
+"""NVFP4: E2M1 data (two per byte), one E4M3 scale per 16 elements, and an fp32 tensor amax.
+
+TE: pytorch/tensor/nvfp4_tensor.py, common/cast/nvfp4/{core_nvfp4,quantize_transpose_nvfp4,
+dequantize_nvfp4}.cuh. Rowwise data is ``(*S[:-1], K/2)``; columnwise data is the transposed input
+quantized along M, shaped ``(S[-1], *S[:-1])`` with the last dim halved (TE's
+``get_columnwise_shape``). With ``with_2d_quantization`` one amax per 16×16 tile sets the scales
+of all 16 rows of the tile (TE's weight recipe). The random Hadamard transform (``with_rht``)
+applies to the columnwise copy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Mapping
+
+import torch
+
+from .. import numerics as nx
+from ..errors import QuantizationError, ShapeError
+from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d
+
+BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)
+E4M3_MAX = 448.0
+#: Sign vector of TE's random Hadamard transform (``get_wgrad_sign_vector``).
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+class NVFP4TensorStorage(QuantizedTensorStorage):
+    BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv",
+               "_amax_rowwise", "_amax_columnwise")
+
+
+class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
+    """NVFP4 tensor (TE's ``NVFP4Tensor``) with compact scales."""
+
+
+def rht_matrix(with_random_sign_mask: bool = True, device=None) -> torch.Tensor:
+    """16×16 fp32 ``diag(signs) @ H16 / 4`` (Sylvester Hadamard), as TE's reference builds it."""
+    h = torch.ones((1, 1), dtype=torch.float32, device=device)
+    while h.shape[0] < BLOCK:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    if with_random_sign_mask:
+        h = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)[:, None] * h
+    return h * 0.25
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 448·6 / amax (fp32), capped at FLT_MAX; 1 when amax is 0 or S_enc underflows to 0.
+
+    TE: ``compute_global_encode_scaling_factor_FP4`` (core_nvfp4.cuh).
+    """
+    s = torch.tensor(E4M3_MAX * nx.FP4_MAX, dtype=torch.float32, device=amax.device) / amax
+    s = torch.clamp(s, max=nx.FP32_MAX)
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling."""
+
+    kind: ClassVar[str] = "nvfp4"
+    storage_class: ClassVar[type] = NVFP4TensorStorage
+    tensor_class: ClassVar[type] = NVFP4Tensor
+
+    with_rht: bool = dataclasses.field(default=False, kw_only=True)
+    with_post_rht_amax: bool = dataclasses.field(default=False, kw_only=True)
+    with_random_sign_mask: bool = dataclasses.field(default=True, kw_only=True)
+    with_2d_quantization: bool = dataclasses.field(default=False, kw_only=True)
+    stochastic_rounding: bool = dataclasses.field(default=False, kw_only=True)
+
+    def check_shape(self, shape):
+        super().check_shape(shape)
+        m, k = flatten_2d(shape)
+        if m % BLOCK or k % BLOCK:
+            raise ShapeError(f"NVFP4 needs both dims divisible by {BLOCK} (M = prod(shape[:-1]), "
+                             f"K = shape[-1]); got shape {tuple(shape)} with M={m}, K={k}")
+        if self.columnwise and len(shape) > 2 and shape[-2] % 2:
+            raise ShapeError(f"NVFP4 columnwise data packs shape[-2] two per byte; "
+                             f"got shape {tuple(shape)} with odd shape[-2]")
+
+    def _buffer_specs(self, shape):
+        m, k = flatten_2d(shape)
+        specs = {}
+        if self.rowwise:
+            specs["_rowwise_data"] = BufferSpec((*shape[:-1], k // 2), torch.uint8)
+            specs["_rowwise_scale_inv"] = BufferSpec(
+                (nx.round_up(m, 128), nx.round_up(nx.ceil_div(k, BLOCK), 4)), torch.uint8)
+        if self.columnwise:
+            col = (shape[-1], *shape[:-1])
+            specs["_columnwise_data"] = BufferSpec((*col[:-1], col[-1] // 2), torch.uint8)
+            specs["_columnwise_scale_inv"] = BufferSpec(
+                (nx.round_up(k, 128), nx.round_up(nx.ceil_div(m, BLOCK), 4)), torch.uint8)
+        if self.rowwise:
+            specs["_amax_rowwise"] = BufferSpec((1,), torch.float32)
+        if self.columnwise:
+            specs["_amax_columnwise"] = BufferSpec((1,), torch.float32)
+        return specs
+
+    def _encode(self, x2: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize rows of x2 [R, C] in blocks of 16 along C: (packed data [R, C/2], scales [R, C/16])."""
+        r, c = x2.shape
+        blocks = x2.reshape(r, c // BLOCK, BLOCK)
+        if self.with_2d_quantization:
+            tile = nx.nan_ignoring_amax(x2.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK), dim=(1, 3))
+            block_amax = tile.repeat_interleave(BLOCK, dim=0)
+        else:
+            block_amax = nx.nan_ignoring_amax(blocks, dim=2)
+        s_enc = global_encode_scale(amax)
+        s_dec = nx.reciprocal(s_enc)
+        inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
+        # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
+        s_b = nx.cast_to_fp8(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX),
+                             torch.float8_e4m3fn)
+        s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
+        enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
+        codes = nx.cast_to_fp4_codes(blocks * enc[..., None]).reshape(r, c)
+        return nx.pack_fp4(codes), s_b
+
+    def _quantize(self, x):
+        if self.stochastic_rounding:
+            raise QuantizationError(
+                "NVFP4Quantizer(stochastic_rounding=True) is not reproducible (TE draws Philox "
+                "random bits in-kernel); quantize with stochastic_rounding=False")
+        shape = tuple(x.shape)
+        m, k = flatten_2d(shape)
+        x2 = x.reshape(m, k).float()
+        specs = self._buffer_specs(shape)
+        amax = nx.nan_ignoring_amax(x2)
+        out = {}
+        if self.rowwise:
+            data, s_b = self._encode(x2, amax)
+            out["_rowwise_data"] = data.reshape(specs["_rowwise_data"].shape)
+            out["_rowwise_scale_inv"] = nx.pad_to(s_b, specs["_rowwise_scale_inv"].shape)
+            out["_amax_rowwise"] = amax.reshape(1)
+        if self.columnwise:
+            xt = x2.t().contiguous()
+            if self.with_rht:
+                xt = (xt.reshape(-1, BLOCK) @ rht_matrix(self.with_random_sign_mask, xt.device)).reshape(k, m)
+            amax_col = nx.nan_ignoring_amax(xt) if (self.with_rht and self.with_post_rht_amax) else amax
+            data, s_b = self._encode(xt, amax_col)
+            out["_columnwise_data"] = data.reshape(specs["_columnwise_data"].shape)
+            out["_columnwise_scale_inv"] = nx.pad_to(s_b, specs["_columnwise_scale_inv"].shape)
+            out["_amax_columnwise"] = amax_col.reshape(1)
+        # flatten order of BUFFERS
+        return {n: out[n] for n in specs}
+
+    @staticmethod
+    def _decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, r: int, c: int) -> torch.Tensor:
+        """dequantize_nvfp4.cuh: q * (float(e4m3 scale) * amax * (1 / (6 * 448)))."""
+        codes = nx.unpack_fp4(data.reshape(r, c // 2))
+        q = nx.fp4_codes_to_float(codes).reshape(r, c // BLOCK, BLOCK)
+        s = nx.fp8_to_float(scale[:r, : c // BLOCK], torch.float8_e4m3fn)
+        factor = torch.tensor(1.0 / (nx.FP4_MAX * E4M3_MAX), dtype=torch.float32, device=data.device)
+        final = s * amax.float().reshape(()) * factor
+        return (q * final[..., None]).reshape(r, c)
+
+    def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
+        shape = tuple(shape)
+        m, k = flatten_2d(shape)
+        if "_rowwise_data" in buffers:
+            return self._decode(buffers["_rowwise_data"], buffers["_rowwise_scale_inv"],
+                                buffers["_amax_rowwise"], m, k).reshape(shape)
+        values = self._decode(buffers["_columnwise_data"], buffers["_columnwise_scale_inv"],
+                              buffers["_amax_columnwise"], k, m)
+        if self.with_rht:  # H/4 is orthogonal and symmetric up to the signs: undo with its transpose
+            values = (values.reshape(-1, BLOCK) @ rht_matrix(self.with_random_sign_mask, values.device).t()).reshape(k, m)
+        return values.t().reshape(shape)

@@ -1,0 +1,174 @@
+"""Bit-exact scalar rules of TE's quantization kernels, in pure torch (CPU and CUDA).
+
+Every rule here cites the TE kernel it reproduces (paths relative to TE's repository; see
+``shared/docs/te_formats.md`` section 4). All arithmetic is fp32, as in the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+#: Largest finite value of each FP8 format TE uses (``Quantized_Limits<OType>::max_norm``).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+FP8_DTYPES = tuple(FP8_MAX)
+
+#: E2M1 magnitudes by 3-bit code (``cast_from_fp4x2`` in custom_recipes/reference_nvfp4.py).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MAX = 6.0
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """The saturation bound of an FP8 dtype."""
+    return FP8_MAX[fp8_dtype]
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max|x| in fp32 that skips NaN, as TE's ``fmaxf``/PTX ``max`` reductions do (0 if all NaN).
+
+    TE: common/recipe/current_scaling.cu (amax_kernel), cast/mxfp8/quantize_mxfp8.cuh.
+    """
+    a = x.float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
+    if a.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=a.device)
+    if dim is None:
+        return a.amax()
+    return a.amax(dim=dim, keepdim=keepdim)
+
+
+def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 → FP8 bits (uint8): round-to-nearest-even with saturation (CUDA ``satfinite``).
+
+    torch's own cast overflows to NaN, so values are clamped to ±max first; NaN stays NaN.
+    """
+    m = FP8_MAX[fp8_dtype]
+    return x.float().clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+
+
+def fp8_to_float(bits: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bits (uint8) → fp32 values."""
+    return bits.view(fp8_dtype).float()
+
+
+def scale_from_amax(amax: torch.Tensor, max_fp8: float, *, force_pow_2_scales: bool,
+                    epsilon: float, value_for_inf: float) -> torch.Tensor:
+    """Quantization scale from amax: ``compute_scale_from_amax`` (common/recipe/recipe_common.cuh).
+
+    amax < eps → eps; inf/NaN/0 amax → 1; scale = max_fp8 / amax (fp32 RN); inf → value_for_inf;
+    pow-2 → keep sign and exponent bits only (``& 0xFF800000``).
+    """
+    amax = amax.float()
+    eps = _f32(epsilon).to(amax.device)
+    amax = torch.where(amax < eps, eps, amax)
+    scale = _f32(max_fp8).to(amax.device) / amax
+    scale = torch.where(torch.isinf(scale), _f32(value_for_inf).to(amax.device), scale)
+    if force_pow_2_scales:
+        scale = (scale.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000
+    special = torch.isinf(amax) | torch.isnan(amax) | (amax == 0)
+    return torch.where(special, torch.ones_like(scale), scale)
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``1.0f / scale`` (IEEE round-to-nearest), as the kernels write scale_inv."""
+    return torch.ones_like(scale, dtype=torch.float32) / scale.float()
+
+
+# --- E8M0 (MXFP8 block scales) -------------------------------------------------------------
+
+def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Biased E8M0 exponent for a block amax: ``float_to_e8m0(amax * max_norm_rcp)``.
+
+    TE: common/util/ptx_arch_spec.cuh. The exponent is rounded *up* (so the block max never
+    saturates), saturates at 254; NaN → 255; 0 → 0; values ≤ 2^-127 → 0. Not the OCP floor rule.
+    """
+    rcp = _f32(1.0 / FP8_MAX[fp8_dtype]).to(amax.device)  # constexpr float(1.0 / max_norm)
+    v = amax.float() * rcp
+    bits = v.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = exponent + round_up.to(torch.int32)
+    e = torch.where(v == 0, torch.zeros_like(e), e)
+    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    return e.to(torch.uint8)
+
+
+def e8m0_quant_scale(e: torch.Tensor) -> torch.Tensor:
+    """2^(127-E) as fp32: ``exp2f_rcp<float>`` (common/util/ptx.cuh); E=254 → 2^-127, 255 → NaN."""
+    e = e.to(torch.int32)
+    bits = (254 - e) << 23
+    bits = torch.where(e == 254, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(e == 255, torch.full_like(bits, 0x7FFFFFFF), bits)
+    return bits.view(torch.float32)
+
+
+def e8m0_dequant_scale(e: torch.Tensor) -> torch.Tensor:
+    """2^(E-127) as fp32: ``exp2f`` (common/util/ptx.cuh); E=0 → 2^-127, 255 → NaN."""
+    e = e.to(torch.int32)
+    bits = e << 23
+    bits = torch.where(e == 0, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(e == 255, torch.full_like(bits, 0x7FFFFFFF), bits)
+    return bits.view(torch.float32)
+
+
+# --- FP4 E2M1 (NVFP4 data) -----------------------------------------------------------------
+
+def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → 4-bit E2M1 codes (uint8, one per element): RNE with saturation at ±6.
+
+    Code = sign (bit 3) | magnitude index 0..7 into FP4_E2M1_VALUES; ties go to the even index
+    (PTX ``cvt.rn.satfinite.e2m1x2.f32``). NaN encodes as a signed zero.
+    """
+    a = x.float().abs()
+    # Midpoints between neighbours; '>' where the lower neighbour is even, '>=' where it is odd.
+    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+           + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+           + (a > 5.0).to(torch.uint8))
+    sign = torch.signbit(x.float()).to(torch.uint8) << 3
+    return mag | sign
+
+
+def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes → fp32 values."""
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes along the last dim, two per byte: element 2i in the low nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# --- shared helpers ------------------------------------------------------------------------
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is ≥ ``value``."""
+    return (value + multiple - 1) // multiple * multiple
+
+
+def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ for non-negative ints."""
+    return (a + b - 1) // b
+
+
+def pad_to(t: torch.Tensor, shape: tuple[int, ...], value: float = 0) -> torch.Tensor:
+    """Pad a 2-D tensor at the bottom/right to ``shape`` with ``value`` (padding is zeroed)."""
+    rows, cols = shape
+    return torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]), value=value)
