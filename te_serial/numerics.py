@@ -32,24 +32,42 @@ def _f32(value: float) -> torch.Tensor:
 def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """max|x| in fp32 that skips NaN, as TE's ``fmaxf``/PTX ``max`` reductions do (0 if all NaN).
 
-    TE: common/recipe/current_scaling.cu (amax_kernel), cast/mxfp8/quantize_mxfp8.cuh.
+    TE: common/recipe/current_scaling.cu (amax_kernel), cast/mxfp8/quantize_mxfp8.cuh. The max
+    of |x| is one of the inputs, so it is taken in the input dtype (exact) and widened after;
+    the NaN-masking pass runs only when a NaN reached the result.
     """
-    a = x.float().abs()
-    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
-    if a.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=a.device)
-    if dim is None:
-        return a.amax()
-    return a.amax(dim=dim, keepdim=keepdim)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=keepdim)
+    if bool(torch.isnan(a).any()):
+        masked = torch.where(torch.isnan(x), torch.zeros((), dtype=x.dtype, device=x.device), x.abs())
+        a = masked.amax() if dim is None else masked.amax(dim=dim, keepdim=keepdim)
+    return a.float()
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """fp32 → FP8 bits (uint8): round-to-nearest-even with saturation (CUDA ``satfinite``).
 
-    torch's own cast overflows to NaN, so values are clamped to ±max first; NaN stays NaN.
+    torch's own cast overflows to NaN, so values are clamped to ±max first. NaN becomes the
+    canonical 0x7F for both formats (cuda_fp8.hpp canonicalizes NaN before converting).
+    """
+    return scale_and_cast_to_fp8(x, None, fp8_dtype)
+
+
+def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
+                          fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bits of ``fp32(x) * scale`` (``scale`` broadcastable, fp32): the kernels' quantize step.
+
+    Works on one fresh fp32 buffer in place. After clamping, 0xFF can only come from a negative
+    NaN (±inf and the all-ones E4M3 code are out of range), so mapping it to 0x7F canonicalizes NaN.
     """
     m = FP8_MAX[fp8_dtype]
-    return x.float().clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+    y = x.to(torch.float32, copy=True)
+    if scale is not None:
+        y.mul_(scale)
+    y.clamp_(-m, m)
+    bits = y.to(fp8_dtype).view(torch.uint8)
+    return bits.masked_fill_(bits == 0xFF, 0x7F)
 
 
 def fp8_to_float(bits: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -125,14 +143,20 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 → 4-bit E2M1 codes (uint8, one per element): RNE with saturation at ±6.
 
     Code = sign (bit 3) | magnitude index 0..7 into FP4_E2M1_VALUES; ties go to the even index
-    (PTX ``cvt.rn.satfinite.e2m1x2.f32``). NaN encodes as a signed zero.
+    (PTX ``cvt.rn.satfinite.e2m1x2.f32``). NaN becomes +6 (cuda_fp4.hpp: "NaN converts to
+    positive FP4_MAXNORM"). For |x| ≥ 1 the code is the fp32 exponent and top mantissa bit after
+    rounding the mantissa to one bit (RNE on the bits); below 1 it is round-half-even(2|x|).
     """
-    a = x.float().abs()
-    # Midpoints between neighbours; '>' where the lower neighbour is even, '>=' where it is odd.
-    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
-           + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
-           + (a > 5.0).to(torch.uint8))
-    sign = torch.signbit(x.float()).to(torch.uint8) << 3
+    x = x.float()
+    a = x.abs()
+    bits = a.view(torch.int32)
+    rounded = (bits + (0x1FFFFF + ((bits >> 22) & 1))) >> 22         # (biased exp << 1) | mantissa bit
+    big = torch.clamp(rounded - 252, max=7)                          # 1.0 → code 2, 6.0 → 7
+    small = torch.round(a * 2.0).to(torch.int32)                     # 0, 0.5, 1.0 → codes 0, 1, 2
+    mag = torch.where(a >= 1.0, big, small)
+    nan = torch.isnan(x)
+    mag = mag.masked_fill_(nan, 7).to(torch.uint8)
+    sign = (torch.signbit(x) & ~nan).to(torch.uint8) << 3
     return mag | sign
 
 
@@ -171,4 +195,6 @@ def ceil_div(a: int, b: int) -> int:
 def pad_to(t: torch.Tensor, shape: tuple[int, ...], value: float = 0) -> torch.Tensor:
     """Pad a 2-D tensor at the bottom/right to ``shape`` with ``value`` (padding is zeroed)."""
     rows, cols = shape
+    if (rows, cols) == tuple(t.shape):
+        return t
     return torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]), value=value)

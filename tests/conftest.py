@@ -44,6 +44,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape and dtype, NaN at the same places, equal bits everywhere else (NaN payloads may differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    zero = torch.zeros((), dtype=a.dtype)
+    return same_bits(torch.where(nan_a, zero, a), torch.where(nan_b, zero, b))
+
+
 def assert_same_buffers(got: dict, want: dict, where: str = "") -> None:
     assert list(got) == list(want) or set(got) == set(want), f"{where}: buffers {list(got)} != {list(want)}"
     for name in want:

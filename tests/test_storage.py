@@ -202,3 +202,17 @@ def test_swizzle_matches_te_index_map_and_inverts():
                        ts.swizzle_scales(col.t().contiguous()).reshape(-1))
     with pytest.raises(ts.ShapeError):
         ts.swizzle_scales(torch.zeros(100, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q", QUANTIZERS, ids=IDS)
+def test_cuda_quantize_matches_cpu_and_moves_back(q):
+    x = _x((256, 512))
+    cpu = q(x)
+    gpu = q(x.cuda())
+    assert gpu.device.type == "cuda"
+    for n, b in cpu.buffers().items():
+        assert same_bits(getattr(gpu, n).cpu(), b), n
+    back = gpu.cpu()
+    assert type(back) is type(cpu) and same_bits(back.dequantize(), cpu.dequantize())

@@ -37,12 +37,15 @@ def _blocks_amax(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return nx.nan_ignoring_amax(padded.reshape(mb, rows, kb, cols), dim=(1, 3))
 
 
-def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x * (scale of its block), for per-block scales [ceil(M/rows), ceil(K/cols)]."""
+def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+            fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * (scale of its block) for per-block scales [ceil(M/rows), ceil(K/cols)]; as FP8 bits
+    if ``fp8_dtype`` is given, else fp32 values."""
     m, k = x2.shape
     mb, kb = scale.shape
-    padded = nx.pad_to(x2, (mb * rows, kb * cols))
-    out = padded.reshape(mb, rows, kb, cols) * scale[:, None, :, None]
+    blocks = nx.pad_to(x2, (mb * rows, kb * cols)).reshape(mb, rows, kb, cols)
+    s = scale[:, None, :, None]
+    out = blocks.float() * s if fp8_dtype is None else nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype)
     return out.reshape(mb * rows, kb * cols)[:m, :k]
 
 
@@ -91,35 +94,30 @@ class Float8BlockQuantizer(Quantizer):
                                   epsilon=self.amax_epsilon,
                                   value_for_inf=torch.finfo(input_dtype).max)
 
-    def _quantize(self, x):
-        shape = tuple(x.shape)
-        m, k = flatten_2d(shape)
-        x2 = x.reshape(m, k).float()
-        specs = self._buffer_specs(shape)
-        col_shape = (shape[-1], *shape[:-1])
-        out = {}
+    def _quantize_rows(self, xc, r0, state, out, m):
+        rows, k = xc.shape
+        r1, b0 = r0 + rows, r0 // BLOCK
         if self.block_scaling_dim == 2:
-            scale = self._scale(_blocks_amax(x2, BLOCK, BLOCK), x.dtype)
-            q = nx.cast_to_fp8(_scaled(x2, scale, BLOCK, BLOCK), self.fp8_dtype)
+            scale = self._scale(_blocks_amax(xc, BLOCK, BLOCK), xc.dtype)
+            q = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype)
             scale_inv = nx.reciprocal(scale)
+            b1, kb = b0 + scale.shape[0], scale.shape[1]
             if self.rowwise:
-                out["_rowwise_data"] = q.reshape(shape)
-                out["_rowwise_scale_inv"] = nx.pad_to(scale_inv, specs["_rowwise_scale_inv"].shape)
-            if self.columnwise:
-                out["_columnwise_data"] = q.t().contiguous().reshape(col_shape)
-                out["_columnwise_scale_inv"] = nx.pad_to(scale_inv.t(), specs["_columnwise_scale_inv"].shape)
-            return out
+                out["_rowwise_data"].view(m, k)[r0:r1] = q
+                out["_rowwise_scale_inv"][b0:b1, :kb] = scale_inv
+            if self.columnwise:  # the exact transpose, scales transposed
+                out["_columnwise_data"].view(k, m)[:, r0:r1] = q.t()
+                out["_columnwise_scale_inv"][:kb, b0:b1] = scale_inv.t()
+            return
         if self.rowwise:  # 1×128 along K; scales stored transposed: [ceil(K/128), roundup(M,4)]
-            scale = self._scale(_blocks_amax(x2, 1, BLOCK), x.dtype)
-            out["_rowwise_data"] = nx.cast_to_fp8(_scaled(x2, scale, 1, BLOCK), self.fp8_dtype).reshape(shape)
-            out["_rowwise_scale_inv"] = nx.pad_to(nx.reciprocal(scale).t(), specs["_rowwise_scale_inv"].shape)
+            scale = self._scale(_blocks_amax(xc, 1, BLOCK), xc.dtype)
+            out["_rowwise_data"].view(m, k)[r0:r1] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
+            out["_rowwise_scale_inv"][: scale.shape[1], r0:r1] = nx.reciprocal(scale).t()
         if self.columnwise:  # transposed data [K, M], 1×128 along M; scales [ceil(M/128), roundup(K,4)]
-            xt = x2.t()
-            scale = self._scale(_blocks_amax(xt, 1, BLOCK), x.dtype)
-            q = nx.cast_to_fp8(_scaled(xt, scale, 1, BLOCK), self.fp8_dtype)
-            out["_columnwise_data"] = q.contiguous().reshape(col_shape)
-            out["_columnwise_scale_inv"] = nx.pad_to(nx.reciprocal(scale).t(), specs["_columnwise_scale_inv"].shape)
-        return out
+            xt = xc.t()
+            scale = self._scale(_blocks_amax(xt, 1, BLOCK), xc.dtype)
+            out["_columnwise_data"].view(k, m)[:, r0:r1] = _scaled(xt, scale, 1, BLOCK, self.fp8_dtype)
+            out["_columnwise_scale_inv"][b0:b0 + scale.shape[1], :k] = nx.reciprocal(scale).t()
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         shape = tuple(shape)

@@ -47,15 +47,21 @@ class _PerTensorFP8:
         specs["_scale_inv"] = BufferSpec((1,), torch.float32)
         return specs
 
-    def _encode(self, x: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        q = nx.cast_to_fp8(x.float() * scale, self.fp8_dtype)
-        out = {}
-        if self.rowwise:
-            out["_data"] = q
-        if self.columnwise:
-            out["_transpose"] = q.movedim(-1, 0).contiguous()
-        out["_scale_inv"] = nx.reciprocal(scale).reshape(1)
-        return out
+    def _scale(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prepare(self, x2, out):
+        scale = self._scale(x2)
+        out["_scale_inv"].copy_(nx.reciprocal(scale).reshape(1))
+        return scale
+
+    def _quantize_rows(self, xc, r0, scale, out, m):
+        rows, k = xc.shape
+        q = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
+        if "_data" in out:
+            out["_data"].view(m, k)[r0:r0 + rows] = q
+        if "_transpose" in out:
+            out["_transpose"].view(k, m)[:, r0:r0 + rows] = q.t()
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         scale_inv = buffers["_scale_inv"]
@@ -80,12 +86,10 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         self._check_dtype()
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
-    def _quantize(self, x):
-        amax = nx.nan_ignoring_amax(x)
-        scale = nx.scale_from_amax(amax, nx.fp8_max(self.fp8_dtype),
-                                   force_pow_2_scales=self.force_pow_2_scales,
-                                   epsilon=self.amax_epsilon, value_for_inf=nx.FP32_MAX)
-        return self._encode(x, scale)
+    def _scale(self, x2):
+        return nx.scale_from_amax(nx.nan_ignoring_amax(x2), nx.fp8_max(self.fp8_dtype),
+                                  force_pow_2_scales=self.force_pow_2_scales,
+                                  epsilon=self.amax_epsilon, value_for_inf=nx.FP32_MAX)
 
 
 def _as_fp32_value(v) -> float:
@@ -116,6 +120,5 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
         object.__setattr__(self, "scale", _as_fp32_value(self.scale))
         object.__setattr__(self, "amax", _as_fp32_value(self.amax))
 
-    def _quantize(self, x):
-        scale = torch.tensor(self.scale, dtype=torch.float32, device=x.device)
-        return self._encode(x, scale)
+    def _scale(self, x2):
+        return torch.tensor(self.scale, dtype=torch.float32, device=x2.device)

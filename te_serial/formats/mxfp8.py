@@ -77,24 +77,20 @@ class MXFP8Quantizer(Quantizer):
         col = nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1)
         return nx.e8m0_from_amax(row, self.fp8_dtype), nx.e8m0_from_amax(col, self.fp8_dtype)
 
-    def _quantize(self, x):
-        shape = tuple(x.shape)
-        m, k = flatten_2d(shape)
-        x2 = x.reshape(m, k).float()
-        specs = self._buffer_specs(shape)
-        e_row, e_col = self._block_exponents(x2)
-        out = {}
+    def _quantize_rows(self, xc, r0, state, out, m):
+        rows, k = xc.shape
+        r1 = r0 + rows
+        e_row, e_col = self._block_exponents(xc)
         if self.rowwise:
-            s = nx.e8m0_quant_scale(e_row)
-            q = nx.cast_to_fp8(x2.reshape(m, k // BLOCK, BLOCK) * s[..., None], self.fp8_dtype)
-            out["_rowwise_data"] = q.reshape(shape)
-            out["_rowwise_scale_inv"] = nx.pad_to(e_row, specs["_rowwise_scale_inv"].shape)
+            q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK),
+                                         nx.e8m0_quant_scale(e_row)[..., None], self.fp8_dtype)
+            out["_rowwise_data"].view(m, k)[r0:r1] = q.reshape(rows, k)
+            out["_rowwise_scale_inv"][r0:r1, : k // BLOCK] = e_row
         if self.columnwise:
-            s = nx.e8m0_quant_scale(e_col)
-            q = nx.cast_to_fp8(x2.reshape(m // BLOCK, BLOCK, k) * s[:, None, :], self.fp8_dtype)
-            out["_columnwise_data"] = q.reshape(shape)
-            out["_columnwise_scale_inv"] = nx.pad_to(e_col, specs["_columnwise_scale_inv"].shape)
-        return out
+            q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
+                                         nx.e8m0_quant_scale(e_col)[:, None, :], self.fp8_dtype)
+            out["_columnwise_data"].view(m, k)[r0:r1] = q.reshape(rows, k)
+            out["_columnwise_scale_inv"][r0 // BLOCK: r1 // BLOCK, :k] = e_col
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         m, k = flatten_2d(tuple(shape))

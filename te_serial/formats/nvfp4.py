@@ -109,40 +109,63 @@ class NVFP4Quantizer(Quantizer):
         s_dec = nx.reciprocal(s_enc)
         inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
         # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
-        s_b = nx.cast_to_fp8(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX),
-                             torch.float8_e4m3fn)
+        s_b = nx.scale_and_cast_to_fp8(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX),
+                                       None, torch.float8_e4m3fn)
         s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
         enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
-        codes = nx.cast_to_fp4_codes(blocks * enc[..., None]).reshape(r, c)
+        codes = nx.cast_to_fp4_codes(blocks.float() * enc[..., None]).reshape(r, c)
         return nx.pack_fp4(codes), s_b
 
+    def _rht(self, xt: torch.Tensor) -> torch.Tensor:
+        """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.
+
+        TE: common/hadamard_transform/hadamard_transform_utils.cuh (MMA with fp32 accumulation,
+        bf16 output). The sum is formed in float64 (exact here) and rounded once to fp32.
+        """
+        h = rht_matrix(self.with_random_sign_mask, xt.device).double()
+        out = (xt.reshape(-1, BLOCK).double() @ h).float().to(torch.bfloat16)
+        return out.reshape(xt.shape)
+
     def _quantize(self, x):
+        if self.with_rht and self.columnwise and (x.dtype != torch.bfloat16 or not self.with_post_rht_amax):
+            raise QuantizationError(
+                "NVFP4 with_rht needs bfloat16 input and with_post_rht_amax=True, as in TE "
+                f"(got input {x.dtype}, with_post_rht_amax={self.with_post_rht_amax})")
         if self.stochastic_rounding:
             raise QuantizationError(
                 "NVFP4Quantizer(stochastic_rounding=True) is not reproducible (TE draws Philox "
                 "random bits in-kernel); quantize with stochastic_rounding=False")
-        shape = tuple(x.shape)
-        m, k = flatten_2d(shape)
-        x2 = x.reshape(m, k).float()
-        specs = self._buffer_specs(shape)
+        return super()._quantize(x)
+
+    def _prepare(self, x2, out):
         amax = nx.nan_ignoring_amax(x2)
-        out = {}
+        amax_col = amax
+        if self.columnwise and self.with_rht:  # post-RHT amax: a pass of its own over the chunks
+            step = max(BLOCK, self.CHUNK_BYTES // (4 * x2.shape[1]) // BLOCK * BLOCK)
+            parts = [nx.nan_ignoring_amax(self._rht(x2[r:r + step].t().contiguous()))
+                     for r in range(0, x2.shape[0], step)]
+            amax_col = torch.stack(parts).amax() if parts else amax
         if self.rowwise:
-            data, s_b = self._encode(x2, amax)
-            out["_rowwise_data"] = data.reshape(specs["_rowwise_data"].shape)
-            out["_rowwise_scale_inv"] = nx.pad_to(s_b, specs["_rowwise_scale_inv"].shape)
-            out["_amax_rowwise"] = amax.reshape(1)
+            out["_amax_rowwise"].copy_(amax.reshape(1))
         if self.columnwise:
-            xt = x2.t().contiguous()
+            out["_amax_columnwise"].copy_(amax_col.reshape(1))
+        return amax, amax_col
+
+    def _quantize_rows(self, xc, r0, state, out, m):
+        amax, amax_col = state
+        rows, k = xc.shape
+        r1 = r0 + rows
+        if self.rowwise:
+            data, s_b = self._encode(xc, amax)
+            out["_rowwise_data"].view(m, k // 2)[r0:r1] = data
+            out["_rowwise_scale_inv"][r0:r1, : k // BLOCK] = s_b
+        if self.columnwise:
+            xt = xc.t().contiguous()
             if self.with_rht:
-                xt = (xt.reshape(-1, BLOCK) @ rht_matrix(self.with_random_sign_mask, xt.device)).reshape(k, m)
-            amax_col = nx.nan_ignoring_amax(xt) if (self.with_rht and self.with_post_rht_amax) else amax
+                xt = self._rht(xt)
             data, s_b = self._encode(xt, amax_col)
-            out["_columnwise_data"] = data.reshape(specs["_columnwise_data"].shape)
-            out["_columnwise_scale_inv"] = nx.pad_to(s_b, specs["_columnwise_scale_inv"].shape)
-            out["_amax_columnwise"] = amax_col.reshape(1)
-        # flatten order of BUFFERS
-        return {n: out[n] for n in specs}
+            out["_columnwise_data"].view(k, m // 2)[:, r0 // 2: r1 // 2] = data
+            out["_columnwise_scale_inv"][:k, r0 // BLOCK: r1 // BLOCK] = s_b
 
     @staticmethod
     def _decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, r: int, c: int) -> torch.Tensor:
