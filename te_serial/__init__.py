@@ -1,8 +1,9 @@
 """te-serial: pickle-free checkpoints and exact reconstruction for Transformer Engine quantized tensors."""
 
-from .errors import (BufferMismatchError, CheckpointError, FormatError, QuantizationError,
-                     ShapeError, TeSerialError, UnknownQuantizerError, UnknownStorageError,
-                     UnsupportedOperationError)
+from .errors import (BufferMismatchError, CheckpointError, CheckpointFileError, ChecksumError,
+                     FormatError, ManifestError, QuantizationError, ShapeError, TeSerialError,
+                     TensorMismatchError, UnknownQuantizerError, UnknownStorageError,
+                     UnsupportedOperationError, UnsupportedValueError, VersionError)
 from .formats import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, Float8BlockQuantizer,
                       Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage,
                       Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor,
@@ -12,7 +13,10 @@ from .formats import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, Float8Bl
                       resolve_storage, swizzle_scales, unswizzle_scales)
 from .proto import TensorProto, to_tensor_proto
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # before .checkpoint, which records it as the producer version
+
+from .checkpoint import Checkpoint, load_quantized, read_protos, save_quantized, verify  # noqa: E402
+from .checkpoint import open_checkpoint as open  # noqa: E402,A001
 
 __all__ = [
     "TeSerialError", "FormatError", "ShapeError", "BufferMismatchError", "UnknownQuantizerError",
@@ -24,4 +28,7 @@ __all__ = [
     "NVFP4TensorStorage", "NVFP4Tensor", "BufferSpec", "StorageMeta", "QUANTIZER_REGISTRY",
     "STORAGE_REGISTRY", "resolve_quantizer", "resolve_storage", "swizzle_scales",
     "unswizzle_scales", "TensorProto", "to_tensor_proto", "__version__",
+    "ManifestError", "VersionError", "CheckpointFileError", "TensorMismatchError", "ChecksumError",
+    "UnsupportedValueError", "Checkpoint", "save_quantized", "load_quantized", "open", "read_protos",
+    "verify",
 ]

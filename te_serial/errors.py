@@ -44,3 +44,27 @@ class CheckpointError(TeSerialError):
                                                     ("field", field)) if v is not None)
         super().__init__(f"{message} ({where})" if where else message)
         self.file, self.tensor, self.field = file, tensor, field
+
+
+class ManifestError(CheckpointError):
+    """The manifest is missing, unreadable, or breaks the schema or its own invariants."""
+
+
+class VersionError(ManifestError):
+    """The checkpoint was written by a newer major format version than this reader knows."""
+
+
+class CheckpointFileError(CheckpointError):
+    """A buffer file is missing, truncated, outside the checkpoint, or not valid safetensors."""
+
+
+class TensorMismatchError(CheckpointError):
+    """A stored buffer disagrees with its prototype or with the file (shape, dtype, size, key)."""
+
+
+class ChecksumError(CheckpointError):
+    """A buffer's bytes do not match the checksum written at save time."""
+
+
+class UnsupportedValueError(CheckpointError):
+    """A state-dict value te-serial cannot store without pickle (the message names its path)."""

@@ -156,6 +156,11 @@ class Quantizer:
         self.check_shape(shape)
         return self._buffer_specs(shape)
 
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        """What each buffer's bytes mean (``float8_e4m3fn``, ``float8_e8m0fnu`` …): the dtype a
+        checkpoint stores it as, so generic readers see it. Same item size as the buffer dtype."""
+        raise NotImplementedError
+
     def alloc_tensors(self, shape, device=None) -> dict[str, torch.Tensor]:
         """Uninitialized inner buffers for a tensor of ``shape`` (pure Python; traceable)."""
         return {name: torch.empty(spec.shape, dtype=spec.dtype, device=device)

@@ -88,6 +88,10 @@ class Float8BlockQuantizer(Quantizer):
             specs["_columnwise_scale_inv"] = BufferSpec(col_scale, torch.float32)
         return specs
 
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        return {"_rowwise_data": self.fp8_dtype, "_rowwise_scale_inv": torch.float32,
+                "_columnwise_data": self.fp8_dtype, "_columnwise_scale_inv": torch.float32}
+
     def _scale(self, amax: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         return nx.scale_from_amax(amax, nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,

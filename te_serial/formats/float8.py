@@ -47,6 +47,9 @@ class _PerTensorFP8:
         specs["_scale_inv"] = BufferSpec((1,), torch.float32)
         return specs
 
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        return {"_data": self.fp8_dtype, "_transpose": self.fp8_dtype, "_scale_inv": torch.float32}
+
     def _scale(self, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

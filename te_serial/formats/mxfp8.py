@@ -66,6 +66,10 @@ class MXFP8Quantizer(Quantizer):
                 (nx.round_up(m // BLOCK, 4), nx.round_up(k, 128)), torch.uint8)
         return specs
 
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        return {"_rowwise_data": self.fp8_dtype, "_rowwise_scale_inv": torch.float8_e8m0fnu,
+                "_columnwise_data": self.fp8_dtype, "_columnwise_scale_inv": torch.float8_e8m0fnu}
+
     def _block_exponents(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """E8M0 exponents: rowwise [M, K/32] and columnwise [M/32, K]."""
         m, k = x2.shape

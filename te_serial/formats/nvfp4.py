@@ -96,6 +96,12 @@ class NVFP4Quantizer(Quantizer):
             specs["_amax_columnwise"] = BufferSpec((1,), torch.float32)
         return specs
 
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        # FP4 data stays packed bytes (U8); block scales are E4M3 bits.
+        return {"_rowwise_data": torch.uint8, "_rowwise_scale_inv": torch.float8_e4m3fn,
+                "_columnwise_data": torch.uint8, "_columnwise_scale_inv": torch.float8_e4m3fn,
+                "_amax_rowwise": torch.float32, "_amax_columnwise": torch.float32}
+
     def _encode(self, x2: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize rows of x2 [R, C] in blocks of 16 along C: (packed data [R, C/2], scales [R, C/16])."""
         r, c = x2.shape

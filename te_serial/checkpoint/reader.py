@@ -1,0 +1,256 @@
+"""Reading checkpoints: ``te_serial.open`` (lazy handle), ``load_quantized``, ``read_protos``, ``verify``.
+
+Order of work on open: read and validate the manifest (schema, registry, prototype ↔ buffer
+agreement), check every file's size against the manifest, then — before any buffer is touched —
+check each file's safetensors header (keys, dtypes, shapes) against the manifest. Buffers are
+then read through safetensors' mmap: on CPU they are the file's pages (no copy); for another
+device they are copied into buffers allocated from the tensor's prototype.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..dtypes import safetensors_code
+from ..errors import (ChecksumError, CheckpointError, CheckpointFileError, ManifestError,
+                      TensorMismatchError)
+from ..proto import TensorProto
+from .manifest import HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest, TensorEntry, checksum
+from .tree import rebuild_tree
+from .transfer import DeviceCopier
+
+
+def _safe_open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointFileError(f"not a readable safetensors file: {e}", file=str(path)) from None
+
+
+class Checkpoint:
+    """A lazily opened checkpoint (``te_serial.open(path)``): prototypes now, bytes on demand."""
+
+    def __init__(self, path: str | os.PathLike, *, strict: bool = True) -> None:
+        self.path = Path(path)
+        self._handles: dict[str, Any] = {}
+        self._checked: set[str] = set()
+        if self.path.is_dir():
+            self.root = self.path
+            manifest_path = self.path / MANIFEST_NAME
+            try:
+                with open(manifest_path, "rb") as f:
+                    data = f.read(MAX_MANIFEST_BYTES + 1)
+            except FileNotFoundError:
+                raise ManifestError(f"no {MANIFEST_NAME} in checkpoint directory", file=str(self.path)) from None
+            except OSError as e:
+                raise ManifestError(f"cannot read manifest: {e}", file=str(manifest_path)) from None
+            self.manifest = Manifest.from_bytes(data, source=str(manifest_path), strict=strict)
+            self._check_file_sizes()
+        elif self.path.is_file():
+            self.root = self.path.parent
+            handle = _safe_open(self.path)
+            self._handles[SELF_FILE] = handle
+            header = handle.metadata() or {}
+            if HEADER_KEY not in header:
+                raise ManifestError("safetensors file has no te-serial manifest in its header "
+                                    "(use te_serial.convert to import plain safetensors)", file=str(self.path))
+            try:
+                data = base64.b64decode(header[HEADER_KEY], validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ManifestError(f"manifest in header is not base64: {e}", file=str(self.path)) from None
+            self.manifest = Manifest.from_bytes(data, source=str(self.path), strict=strict)
+            if self.manifest.files:
+                raise ManifestError("a single-file checkpoint must not list other files", file=str(self.path),
+                                    field="files")
+        else:
+            raise CheckpointFileError("no such checkpoint", file=str(self.path))
+        self._protos = {n: e.proto for n, e in self.manifest.tensors.items()}
+
+    # --- what the handle tells without reading buffers ----------------------------------------
+    @property
+    def protos(self) -> dict[str, TensorProto]:
+        return dict(self._protos)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.manifest.metadata)
+
+    def keys(self) -> list[str]:
+        return list(self.manifest.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.manifest.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.manifest.tensors)
+
+    def __len__(self) -> int:
+        return len(self.manifest.tensors)
+
+    # --- files ------------------------------------------------------------------------------------
+    def _file_path(self, name: str) -> Path:
+        return self.path if name == SELF_FILE else self.root / name
+
+    def _check_file_sizes(self) -> None:
+        for name, size in self.manifest.files.items():
+            p = self._file_path(name)
+            try:
+                actual = p.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointFileError("buffer file is missing", file=str(p)) from None
+            if actual != size:
+                raise CheckpointFileError(f"file is {actual} bytes, the manifest says {size} (truncated or "
+                                          "replaced?)", file=str(p))
+
+    def _handle(self, name: str):
+        """The safe_open handle of a file, its header checked against the manifest on first use."""
+        if name not in self._handles:
+            self._handles[name] = _safe_open(self._file_path(name))
+        handle = self._handles[name]
+        if name not in self._checked:
+            self._check_header(name, handle)
+            self._checked.add(name)
+        return handle
+
+    def _check_header(self, name: str, handle) -> None:
+        where = str(self._file_path(name))
+        keys = set(handle.keys())
+        for tname, entry in self.manifest.tensors.items():
+            for bname, b in entry.buffers.items():
+                if b.file != name:
+                    continue
+                if b.key not in keys:
+                    raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file",
+                                              file=where, tensor=tname, field=bname)
+                sl = handle.get_slice(b.key)
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != b.shape or dtype != safetensors_code(b.dtype):
+                    raise TensorMismatchError(
+                        f"buffer {bname} is {dtype}{list(shape)} in the file but "
+                        f"{safetensors_code(b.dtype)}{list(b.shape)} in the manifest",
+                        file=where, tensor=tname, field=bname)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- reading tensors ------------------------------------------------------------------------
+    def _read_buffer(self, tname: str, bname: str, entry: TensorEntry, verify: bool) -> torch.Tensor:
+        b = entry.buffers[bname]
+        handle = self._handle(b.file)
+        try:
+            t = handle.get_tensor(b.key)
+        except (SafetensorError, RuntimeError, OSError) as e:
+            raise CheckpointFileError(f"cannot read buffer {bname}: {e}", file=str(self._file_path(b.file)),
+                                      tensor=tname, field=bname) from None
+        if verify:
+            if b.checksum is None:
+                raise ChecksumError("verify=True but the checkpoint was saved without checksums",
+                                    file=str(self._file_path(b.file)), tensor=tname, field=bname)
+            if checksum(t) != b.checksum:
+                raise ChecksumError(f"buffer {bname} does not match its checksum {b.checksum}",
+                                    file=str(self._file_path(b.file)), tensor=tname, field=bname)
+        return t
+
+    def _load(self, name: str, device: torch.device, verify: bool, copier: DeviceCopier | None,
+              cache: dict) -> torch.Tensor:
+        entry = self.manifest.tensors[name]
+        ident = tuple((b.file, b.key) for b in entry.buffers.values())
+        if ident in cache:  # tied tensors come back as one object
+            return cache[ident]
+        proto = entry.proto
+        if device.type == "meta":
+            out = proto.create_tensor(device="meta")
+        else:
+            raw = {n: self._read_buffer(name, n, entry, verify) for n in entry.buffers}
+            if proto.quantizer is not None:
+                specs = proto.buffer_specs()
+                raw = {n: t.view(specs[n].dtype) for n, t in raw.items()}
+            if copier is not None:  # allocate from the prototype on the target device, copy in
+                dst = (proto.quantizer.alloc_tensors(proto.shape, device=device) if proto.quantizer is not None
+                       else {PLAIN_BUFFER: torch.empty(proto.shape, dtype=proto.dtype, device=device)})
+                for n, t in raw.items():
+                    copier.copy(dst[n], t)
+                raw = dst
+            if proto.quantizer is None:
+                out = raw[PLAIN_BUFFER]
+                if proto.requires_grad:
+                    out.requires_grad_(True)
+            else:
+                out = proto.assemble(raw)
+                if proto.requires_grad:
+                    out.requires_grad_(True)
+        cache[ident] = out
+        return out
+
+    def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False) -> torch.Tensor:
+        """One tensor, reading only its own buffers."""
+        if name not in self.manifest.tensors:
+            raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
+        return self.load_tensors([name], device=device, verify=verify)[name]
+
+    def load_tensors(self, names=None, device: str | torch.device = "cpu", *,
+                     verify: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors by flat name (all by default), on ``device``."""
+        device = torch.device(device)
+        names = list(self.manifest.tensors) if names is None else list(names)
+        copier = DeviceCopier(device) if device.type not in ("cpu", "meta") else None
+        cache: dict = {}
+        out = {n: self._load(n, device, verify, copier, cache) for n in names}
+        if copier is not None:
+            copier.finish()
+        return out
+
+    def load(self, device: str | torch.device = "cpu", *, verify: bool = False) -> Any:
+        """The saved object with its structure: nested dicts, lists, tuples and plain values."""
+        tensors = self.load_tensors(device=device, verify=verify)
+        return rebuild_tree(self.manifest.tree, tensors)
+
+    def verify(self) -> int:
+        """Check every buffer against its checksum; returns the number of buffers checked."""
+        checked = 0
+        for name, entry in self.manifest.tensors.items():
+            for bname in entry.buffers:
+                self._read_buffer(name, bname, entry, verify=True)
+                checked += 1
+        return checked
+
+
+
+def open_checkpoint(path: str | os.PathLike, *, strict: bool = True) -> Checkpoint:
+    """Open a checkpoint lazily: ``.protos``, ``.metadata``, ``.keys()``, ``.get(name, device=)``."""
+    return Checkpoint(path, strict=strict)
+
+
+def load_quantized(path: str | os.PathLike, *, device: str | torch.device = "cpu", strict: bool = True,
+                   verify: bool = False) -> Any:
+    """Load what ``save_quantized`` saved: same structure, keys, dtypes and bytes, on ``device``.
+
+    ``strict=False`` skips tensors whose entry cannot be rebuilt (e.g. a quantizer kind from a
+    newer te-serial) instead of failing; ``verify=True`` checks every buffer's checksum.
+    """
+    with Checkpoint(path, strict=strict) as ckpt:
+        return ckpt.load(device=device, verify=verify)
+
+
+def read_protos(path: str | os.PathLike) -> dict[str, TensorProto]:
+    """name → TensorProto, reading only the manifest (no buffer is touched)."""
+    return Checkpoint(path).protos
+
+
+def verify(path: str | os.PathLike) -> int:
+    """Validate a checkpoint completely (schema, headers, checksums); returns buffers checked."""
+    with Checkpoint(path) as ckpt:
+        return ckpt.verify()
