@@ -38,9 +38,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shape, dtype and bytes (NaN-safe)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    a, b = a.contiguous(), b.contiguous()
     if a.numel() == 0:
         return True
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 

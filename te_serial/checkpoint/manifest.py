@@ -1,9 +1,13 @@
-"""The checkpoint manifest: dataclasses ↔ msgpack, validated against ``schema/`` before use.
+"""The checkpoint manifest: columns over a table of distinct prototypes, in msgpack.
 
-Reading is validation first: the schema (fastjsonschema, compiled once from the versioned JSON
-Schema), then each entry's invariants — the quantizer resolves through the registry, and every
-buffer's name, shape and dtype equals what the prototype's quantizer describes — so a reader
-never allocates from a manifest it has not checked.
+Layout (schema/manifest-v1.schema.json): ``quantizers`` and ``protos`` hold each distinct
+quantizer and prototype once (with the buffers such a tensor has on disk); ``tensors`` holds
+columns — names, prototype index, file index and checksum per buffer — so a 10,000-tensor
+manifest decodes and validates in milliseconds. Buffer keys follow one rule (:func:`buffer_key`).
+
+Reading is validation first: the schema (jsonschema-rs, compiled once), then every invariant
+(quantizers resolve through the registry; each prototype's buffers are exactly what its
+quantizer describes; indices in range; names unique) — before any buffer is touched.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-import fastjsonschema
+import jsonschema_rs
 import torch
 import xxhash
 
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ManifestError, TeSerialError, VersionError
-from ..formats.base import resolve_storage
+from ..formats.base import Quantizer, resolve_storage
 from ..proto import TensorProto
 from . import tree as tree_mod
 
@@ -31,18 +35,26 @@ MANIFEST_NAME = "te_serial.msgpack"
 HEADER_KEY = "te_serial.manifest"
 SCHEMA_FILE = "manifest-v1.schema.json"
 MAX_MANIFEST_BYTES = 1 << 28
-#: a buffer's ``file`` is this in a single-file checkpoint: the file carrying the manifest
+#: a buffer's ``file`` in a single-file checkpoint: the file carrying the manifest
 SELF_FILE = ""
 PLAIN_BUFFER = "data"
 
 
-def checksum(t: torch.Tensor) -> str:
-    """``xxh3_64:<hex>`` of a CPU tensor's bytes (xxHash: fast, well kept; not a security hash)."""
+def checksum(t: torch.Tensor) -> int:
+    """XXH3-64 of a CPU tensor's bytes (xxHash: memory-speed, well kept; not a security hash)."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
-        return "xxh3_64:" + xxhash.xxh3_64(b"").hexdigest()
-    data = flat.view(torch.uint8) if flat.dtype.itemsize != 1 else flat
-    return "xxh3_64:" + xxhash.xxh3_64(memoryview(data.view(torch.uint8).numpy())).hexdigest()
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def format_checksum(value: int | None) -> str:
+    return "none" if value is None else f"xxh3_64:{value:016x}"
+
+
+def buffer_key(tensor_name: str, buffer: str) -> str:
+    """The safetensors key of a buffer: the tensor's name, or ``<name>.<TE buffer name>``."""
+    return tensor_name if buffer == PLAIN_BUFFER else f"{tensor_name}.{buffer}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,31 +65,30 @@ def schema() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _validator():
-    return fastjsonschema.compile(schema())
+    return jsonschema_rs.validator_for(schema())
+
+
+def expected_buffers(proto: TensorProto) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name → (shape, stored dtype) of each buffer a tensor of this prototype has on disk."""
+    if proto.quantizer is None:
+        return {PLAIN_BUFFER: (proto.shape, proto.dtype)}
+    values = proto.quantizer.value_dtypes()
+    return {n: (spec.shape, values[n]) for n, spec in proto.buffer_specs().items()}
 
 
 @dataclass(frozen=True)
 class BufferEntry:
-    """Where one inner buffer lives: file, safetensors key, shape and stored (true) dtype."""
+    """Where one inner buffer lives: file, safetensors key, shape, stored dtype, checksum."""
 
     file: str
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    checksum: str | None = None
+    checksum: int | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-    def to_dict(self) -> dict:
-        return {"file": self.file, "key": self.key, "shape": list(self.shape),
-                "dtype": dtype_name(self.dtype), "checksum": self.checksum}
-
-    @staticmethod
-    def from_dict(d: Mapping) -> "BufferEntry":
-        return BufferEntry(d["file"], d["key"], tuple(d["shape"]), dtype_from_name(d["dtype"]),
-                           d.get("checksum"))
 
 
 @dataclass(frozen=True)
@@ -91,117 +102,265 @@ class TensorEntry:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
-    def expected_buffers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """name → (shape, stored dtype) that the prototype demands."""
-        return expected_buffers(self.proto)
 
-    def to_dict(self) -> dict:
-        q = self.proto.quantizer
-        return {**self.proto.to_dict(),
-                "storage": q.tensor_class.__name__ if q is not None else None,
-                "scale_layout": "compact" if q is not None else None,
-                "buffers": {n: b.to_dict() for n, b in self.buffers.items()}}
+class _TensorTable(Mapping):
+    """name → TensorEntry, built on first access from the manifest's columns."""
 
+    def __init__(self, manifest: "Manifest") -> None:
+        self._m = manifest
+        self._cache: dict[str, TensorEntry] = {}
 
-def expected_buffers(proto: TensorProto) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name → (shape, stored dtype) of each buffer a tensor of this prototype has on disk."""
-    if proto.quantizer is None:
-        return {PLAIN_BUFFER: (proto.shape, proto.dtype)}
-    values = proto.quantizer.value_dtypes()
-    return {n: (spec.shape, values[n]) for n, spec in proto.buffer_specs().items()}
+    def __getitem__(self, name: str) -> TensorEntry:
+        entry = self._cache.get(name)
+        if entry is None:
+            entry = self._cache[name] = self._m._entry(self._m._index[name])
+        return entry
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._m._index)
 
-def _entry_from_dict(name: str, d: Mapping) -> TensorEntry:
-    proto = TensorProto.from_dict(d)
-    storage = d.get("storage")
-    if proto.quantizer is not None and storage is not None:
-        cls = resolve_storage(storage)
-        if cls not in (proto.quantizer.tensor_class, proto.quantizer.storage_class):
-            raise ManifestError(f"storage {storage!r} does not hold {proto.quantizer.kind} tensors")
-    elif proto.quantizer is None and storage is not None:
-        raise ManifestError("a plain tensor has no storage class")
-    buffers = {n: BufferEntry.from_dict(b) for n, b in d["buffers"].items()}
-    want = expected_buffers(proto)
-    if set(buffers) != set(want):
-        raise ManifestError(f"buffers {sorted(buffers)} but its prototype has {sorted(want)}")
-    for n, b in buffers.items():
-        shape, dtype = want[n]
-        if b.shape != shape or b.dtype != dtype:
-            raise ManifestError(f"buffer {n} is {dtype_name(b.dtype)}{list(b.shape)} but its prototype "
-                                f"needs {dtype_name(dtype)}{list(shape)}")
-    return TensorEntry(proto, buffers)
+    def __len__(self) -> int:
+        return len(self._m._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._m._index
 
 
 @dataclass
 class Manifest:
-    """Everything a checkpoint says about itself, except the buffer bytes."""
+    """Everything a checkpoint says about itself except the buffer bytes, as columns."""
 
-    tensors: dict[str, TensorEntry]
-    files: dict[str, int]
-    tree: Any
+    names: list[str]
+    protos: list[TensorProto]              # distinct prototypes
+    proto_index: list[int]                 # per tensor
+    files: dict[str, int]                  # file name → size, in file-index order
+    file_index: list[list[int]]            # per tensor, per buffer
+    checksums: list[list[int]] | None      # per tensor, per buffer
+    aliases: dict[int, int] = field(default_factory=dict)
+    tree: Any = None                       # None: a flat dict of all tensors, in table order
     metadata: dict[str, str] = field(default_factory=dict)
     producer: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = VERSION
-    #: tensors left out by a non-strict read, with the reason
-    skipped: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # non-strict reads: name → reason
+
+    def __post_init__(self) -> None:
+        self._index = {n: i for i, n in enumerate(self.names) if n not in self.skipped}
+        self._file_names = list(self.files) or [SELF_FILE]
+        self._buffer_names = [list(expected_buffers(p)) if p is not None else [] for p in self.protos]
+        self.tensors = _TensorTable(self)
+
+    # --- per-tensor views ---------------------------------------------------------------------
+    def proto(self, name: str) -> TensorProto:
+        return self.protos[self.proto_index[self._index[name]]]
+
+    def protos_by_name(self) -> dict[str, TensorProto]:
+        protos, idx = self.protos, self.proto_index
+        return {n: protos[idx[i]] for n, i in self._index.items()}
+
+    def _entry(self, i: int) -> TensorEntry:
+        p = self.proto_index[i]
+        proto = self.protos[p]
+        src = self.aliases.get(i, i)
+        want = expected_buffers(proto)
+        buffers = {}
+        for j, bname in enumerate(self._buffer_names[p]):
+            shape, dtype = want[bname]
+            buffers[bname] = BufferEntry(
+                self._file_names[self.file_index[src][j]], buffer_key(self.names[src], bname), shape, dtype,
+                self.checksums[src][j] if self.checksums is not None else None)
+        return TensorEntry(proto, buffers)
+
+    def nbytes(self) -> int:
+        """Bytes of all buffers (tied tensors counted once)."""
+        per_proto = [sum(math.prod(s) * d.itemsize for s, d in expected_buffers(p).values()) if p is not None else 0
+                     for p in self.protos]
+        return sum(per_proto[self.proto_index[i]] for i in self._index.values() if i not in self.aliases)
+
+    # --- building and encoding ------------------------------------------------------------------
+    @staticmethod
+    def from_entries(entries: Mapping[str, TensorEntry], files: Mapping[str, int], *, tree: Any = None,
+                     aliases: Mapping[str, str] | None = None, metadata=None, producer=None) -> "Manifest":
+        """Columns from per-tensor entries (``aliases``: tied name → the name it shares buffers with)."""
+        names = list(entries)
+        index = {n: i for i, n in enumerate(names)}
+        protos: list[TensorProto] = []
+        proto_ids: dict[TensorProto, int] = {}
+        file_ids = {f: i for i, f in enumerate(files)} or {SELF_FILE: 0}
+        proto_index, file_index, sums = [], [], []
+        for name in names:
+            e = entries[name]
+            proto_index.append(proto_ids.setdefault(e.proto, len(protos)))
+            if len(protos) < len(proto_ids):
+                protos.append(e.proto)
+            file_index.append([file_ids[b.file] for b in e.buffers.values()])
+            sums.append([b.checksum for b in e.buffers.values()])
+        has_sums = all(c is not None for row in sums for c in row)
+        alias_idx = {index[a]: index[b] for a, b in (aliases or {}).items()}
+        return Manifest(names, protos, proto_index, dict(files), file_index, sums if has_sums else None,
+                        alias_idx, tree, dict(metadata or {}), dict(producer or {}))
 
     def to_bytes(self) -> bytes:
+        quantizers: list[Quantizer] = []
+        for p in self.protos:
+            if p.quantizer is not None and p.quantizer not in quantizers:
+                quantizers.append(p.quantizer)
+        protos = []
+        for p in self.protos:
+            q = p.quantizer
+            protos.append({
+                "shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad,
+                "quantizer": quantizers.index(q) if q is not None else None,
+                "storage": q.tensor_class.__name__ if q is not None else None,
+                "scale_layout": "compact" if q is not None else None,
+                "buffers": [{"name": n, "shape": list(s), "dtype": dtype_name(d)}
+                            for n, (s, d) in expected_buffers(p).items()]})
+        tensors = {"names": self.names, "protos": self.proto_index, "files": self.file_index,
+                   "checksums": self.checksums}
+        if self.aliases:
+            tensors["aliases"] = [[i, j] for i, j in self.aliases.items()]
         doc = {"format": FORMAT, "version": list(self.version), "producer": self.producer,
-               "metadata": self.metadata, "files": self.files,
-               "tensors": {n: e.to_dict() for n, e in self.tensors.items()}, "tree": self.tree}
+               "metadata": self.metadata, "files": [{"name": n, "size": s} for n, s in self.files.items()],
+               "quantizers": [q.to_dict() for q in quantizers], "protos": protos, "tensors": tensors}
+        if self.tree is not None:
+            doc["tree"] = self.tree
         return tree_mod.pack(doc)
 
+    # --- decoding and validation ----------------------------------------------------------------
     @staticmethod
     def from_bytes(data: bytes, *, source: str, strict: bool = True) -> "Manifest":
-        """Decode and validate; raises :class:`ManifestError` (naming ``source``) on any flaw."""
+        """Decode and validate; raises :class:`ManifestError` naming ``source`` on any flaw."""
+        return _Decoder(source, strict).decode(data)
+
+
+class _Decoder:
+    def __init__(self, source: str, strict: bool) -> None:
+        self.source, self.strict = source, strict
+
+    def fail(self, message: str, *, tensor: str | None = None, field: str | None = None):
+        raise ManifestError(message, file=self.source, tensor=tensor, field=field)
+
+    def decode(self, data: bytes) -> Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit",
-                                file=source)
+            self.fail(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         try:
             doc = tree_mod.unpack(data)
         except ManifestError as e:
-            raise ManifestError(str(e), file=source) from None
+            self.fail(str(e))
         if not isinstance(doc, dict):
-            raise ManifestError("manifest is not a map", file=source)
-        _check_version(doc, source)
+            self.fail("manifest is not a map")
+        self.check_version(doc)
         tree = doc.pop("tree", None)
         try:
-            _validator()(doc)
-        except fastjsonschema.JsonSchemaException as e:
-            raise ManifestError(f"manifest breaks the schema: {e.message}", file=source,
-                                field=getattr(e, "name", None)) from None
-        tensors, skipped = {}, {}
-        for name, d in doc["tensors"].items():
+            _validator().validate(doc)
+        except jsonschema_rs.ValidationError as e:
+            path = "/".join(map(str, e.instance_path))
+            self.fail(f"manifest breaks the schema at /{path}: {e.message}", field=path or None)
+        except (ValueError, TypeError) as e:  # a value no JSON type describes (bytes, ext types)
+            self.fail(f"manifest holds a value of no JSON type: {e}")
+        files = {}
+        for f in doc["files"]:
+            if f["name"] in files:
+                self.fail(f"file {f['name']!r} listed twice", field="files")
+            files[f["name"]] = f["size"]
+        bad_quantizers: dict[int, str] = {}
+        quantizers: list[Quantizer | None] = []
+        for i, qd in enumerate(doc["quantizers"]):
             try:
-                entry = _entry_from_dict(name, d)
-                for b in entry.buffers.values():
-                    if b.file != SELF_FILE and b.file not in doc["files"]:
-                        raise ManifestError(f"buffer file {b.file!r} is not in the file list")
-                tensors[name] = entry
+                quantizers.append(Quantizer.from_dict(qd))
             except TeSerialError as e:
-                if strict:
-                    raise ManifestError(str(e), file=source, tensor=name) from None
-                skipped[name] = str(e)
-        try:
-            refs = tree_mod.tree_refs(tree)
-        except ManifestError as e:
-            raise ManifestError(str(e), file=source, field="tree") from None
-        unknown = [r for r in refs if r not in tensors and r not in skipped]
-        if unknown:
-            raise ManifestError(f"tree refers to tensors not in the table: {unknown[:5]}", file=source,
-                                field="tree")
-        return Manifest(tensors, dict(doc["files"]), tree, dict(doc["metadata"]), dict(doc["producer"]),
-                        tuple(doc["version"]), skipped)
+                if self.strict:
+                    self.fail(str(e), field=f"quantizers/{i}")
+                quantizers.append(None)
+                bad_quantizers[i] = str(e)
+        protos, bad_protos = self.protos(doc["protos"], quantizers, bad_quantizers)
+        cols = doc["tensors"]
+        names, proto_index, file_index = cols["names"], cols["protos"], cols["files"]
+        checksums = cols.get("checksums")
+        n = len(names)
+        if len(proto_index) != n or len(file_index) != n or (checksums is not None and len(checksums) != n):
+            self.fail("tensor columns have different lengths", field="tensors")
+        if len(set(names)) != n:
+            self.fail("tensor names are not unique", field="tensors/names")
+        nbuf = [len(expected_buffers(p)) if p is not None else -1 for p in protos]
+        n_files = max(len(files), 1)
+        skipped = {}
+        for i in range(n):
+            p = proto_index[i]
+            if p >= len(protos):
+                self.fail(f"prototype index {p} out of range", tensor=names[i], field="tensors/protos")
+            if p in bad_protos:
+                if self.strict:  # unreachable: protos() already raised
+                    self.fail(bad_protos[p], tensor=names[i])
+                skipped[names[i]] = bad_protos[p]
+                continue
+            row = file_index[i]
+            if len(row) != nbuf[p] or (checksums is not None and len(checksums[i]) != nbuf[p]):
+                self.fail(f"{len(row)} buffer files for a prototype with {nbuf[p]} buffers",
+                          tensor=names[i], field="tensors/files")
+            if any(f >= n_files for f in row):
+                self.fail("buffer file index out of range", tensor=names[i], field="tensors/files")
+        aliases = {}
+        for a, b in cols.get("aliases", []):
+            if a >= n or b >= n or a == b or proto_index[a] != proto_index[b]:
+                self.fail(f"bad alias [{a}, {b}]", field="tensors/aliases")
+            aliases[a] = b
+        if any(b in aliases for b in aliases.values()):
+            self.fail("an alias points to another alias", field="tensors/aliases")
+        if tree is not None:
+            try:
+                refs = tree_mod.tree_refs(tree)
+            except ManifestError as e:
+                self.fail(str(e), field="tree")
+            known = set(names)
+            unknown = [r for r in refs if r not in known]
+            if unknown:
+                self.fail(f"tree refers to tensors not in the table: {unknown[:5]}", field="tree")
+        return Manifest(names, protos, proto_index, files, file_index, checksums, aliases, tree,
+                        dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped)
 
+    def protos(self, raw: list, quantizers: list, bad_quantizers: dict) -> tuple[list, dict]:
+        protos: list[TensorProto | None] = []
+        bad: dict[int, str] = {}
+        for i, d in enumerate(raw):
+            where = f"protos/{i}"
+            try:
+                q_idx = d["quantizer"]
+                if q_idx is not None and q_idx >= len(quantizers):
+                    raise ManifestError(f"quantizer index {q_idx} out of range")
+                if q_idx in bad_quantizers:
+                    raise ManifestError(bad_quantizers[q_idx])
+                q = quantizers[q_idx] if q_idx is not None else None
+                proto = TensorProto(tuple(d["shape"]), dtype_from_name(d["dtype"]), q, d["requires_grad"])
+                storage = d.get("storage")
+                if storage is not None:
+                    if q is None:
+                        raise ManifestError("a plain tensor has no storage class")
+                    if resolve_storage(storage) not in (q.tensor_class, q.storage_class):
+                        raise ManifestError(f"storage {storage!r} does not hold {q.kind} tensors")
+                want = expected_buffers(proto)
+                got = [(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"])) for b in d["buffers"]]
+                expect = [(name, s, dt) for name, (s, dt) in want.items()]
+                if got != expect:
+                    raise ManifestError(
+                        "buffers " + ", ".join(f"{b}:{dtype_name(dt)}{list(s)}" for b, s, dt in got)
+                        + " disagree with the prototype's "
+                        + ", ".join(f"{b}:{dtype_name(dt)}{list(s)}" for b, s, dt in expect))
+                protos.append(proto)
+            except TeSerialError as e:
+                if self.strict:
+                    self.fail(str(e), field=where)
+                protos.append(None)
+                bad[i] = str(e)
+        return protos, bad
 
-def _check_version(doc: dict, source: str) -> None:
-    if doc.get("format") != FORMAT:
-        raise ManifestError(f"not a te-serial manifest (format={doc.get('format')!r})", file=source)
-    version = doc.get("version")
-    if (not isinstance(version, list) or len(version) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)):
-        raise ManifestError(f"bad format version {version!r}", file=source, field="version")
-    if version[0] > VERSION[0]:
-        raise VersionError(f"checkpoint format version {version[0]}.{version[1]} is newer than this "
-                           f"te-serial reads ({VERSION[0]}.x); upgrade te-serial", file=source,
-                           field="version")
+    def check_version(self, doc: dict) -> None:
+        if doc.get("format") != FORMAT:
+            self.fail(f"not a te-serial manifest (format={doc.get('format')!r})", field="format")
+        version = doc.get("version")
+        if (not isinstance(version, list) or len(version) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)):
+            self.fail(f"bad format version {version!r}", field="version")
+        if version[0] > VERSION[0]:
+            raise VersionError(f"checkpoint format version {version[0]}.{version[1]} is newer than this "
+                               f"te-serial reads ({VERSION[0]}.x); upgrade te-serial", file=self.source,
+                               field="version")

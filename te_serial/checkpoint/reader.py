@@ -22,7 +22,8 @@ from ..dtypes import safetensors_code
 from ..errors import (ChecksumError, CheckpointError, CheckpointFileError, ManifestError,
                       TensorMismatchError)
 from ..proto import TensorProto
-from .manifest import HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest, TensorEntry, checksum
+from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
+                       TensorEntry, checksum, format_checksum)
 from .tree import rebuild_tree
 from .transfer import DeviceCopier
 
@@ -41,6 +42,7 @@ class Checkpoint:
         self.path = Path(path)
         self._handles: dict[str, Any] = {}
         self._checked: set[str] = set()
+        self._by_file: dict[str, list] | None = None
         if self.path.is_dir():
             self.root = self.path
             manifest_path = self.path / MANIFEST_NAME
@@ -71,7 +73,7 @@ class Checkpoint:
                                     field="files")
         else:
             raise CheckpointFileError("no such checkpoint", file=str(self.path))
-        self._protos = {n: e.proto for n, e in self.manifest.tensors.items()}
+        self._protos = self.manifest.protos_by_name()
 
     # --- what the handle tells without reading buffers ----------------------------------------
     @property
@@ -119,23 +121,28 @@ class Checkpoint:
             self._checked.add(name)
         return handle
 
+    def _buffers_by_file(self) -> dict[str, list]:
+        if self._by_file is None:
+            self._by_file = {}
+            for tname, entry in self.manifest.tensors.items():
+                for bname, b in entry.buffers.items():
+                    self._by_file.setdefault(b.file, []).append((tname, bname, b))
+        return self._by_file
+
     def _check_header(self, name: str, handle) -> None:
         where = str(self._file_path(name))
         keys = set(handle.keys())
-        for tname, entry in self.manifest.tensors.items():
-            for bname, b in entry.buffers.items():
-                if b.file != name:
-                    continue
-                if b.key not in keys:
-                    raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file",
-                                              file=where, tensor=tname, field=bname)
-                sl = handle.get_slice(b.key)
-                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                if shape != b.shape or dtype != safetensors_code(b.dtype):
-                    raise TensorMismatchError(
-                        f"buffer {bname} is {dtype}{list(shape)} in the file but "
-                        f"{safetensors_code(b.dtype)}{list(b.shape)} in the manifest",
-                        file=where, tensor=tname, field=bname)
+        for tname, bname, b in self._buffers_by_file().get(name, []):
+            if b.key not in keys:
+                raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file",
+                                          file=where, tensor=tname, field=bname)
+            sl = handle.get_slice(b.key)
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if shape != b.shape or dtype != safetensors_code(b.dtype):
+                raise TensorMismatchError(
+                    f"buffer {bname} is {dtype}{list(shape)} in the file but "
+                    f"{safetensors_code(b.dtype)}{list(b.shape)} in the manifest",
+                    file=where, tensor=tname, field=bname)
 
     def close(self) -> None:
         self._handles.clear()
@@ -160,14 +167,14 @@ class Checkpoint:
                 raise ChecksumError("verify=True but the checkpoint was saved without checksums",
                                     file=str(self._file_path(b.file)), tensor=tname, field=bname)
             if checksum(t) != b.checksum:
-                raise ChecksumError(f"buffer {bname} does not match its checksum {b.checksum}",
+                raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(b.checksum)}",
                                     file=str(self._file_path(b.file)), tensor=tname, field=bname)
         return t
 
     def _load(self, name: str, device: torch.device, verify: bool, copier: DeviceCopier | None,
               cache: dict) -> torch.Tensor:
         entry = self.manifest.tensors[name]
-        ident = tuple((b.file, b.key) for b in entry.buffers.values())
+        ident = tuple((b.file, b.key) for b in entry.buffers.values()) + (entry.proto,)
         if ident in cache:  # tied tensors come back as one object
             return cache[ident]
         proto = entry.proto
@@ -216,6 +223,8 @@ class Checkpoint:
     def load(self, device: str | torch.device = "cpu", *, verify: bool = False) -> Any:
         """The saved object with its structure: nested dicts, lists, tuples and plain values."""
         tensors = self.load_tensors(device=device, verify=verify)
+        if self.manifest.tree is None:
+            return tensors
         return rebuild_tree(self.manifest.tree, tensors)
 
     def verify(self) -> int:

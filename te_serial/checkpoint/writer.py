@@ -23,8 +23,8 @@ from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, BufferEntry, Manifest,
-                       TensorEntry, checksum)
-from .tree import flatten_tree
+                       TensorEntry, buffer_key, checksum)
+from .tree import TensorRef, flatten_tree
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -66,14 +66,15 @@ def _identity(t: torch.Tensor) -> tuple:
 
 
 class _Collector:
-    """Turns flat tensors into manifest entries and the list of buffers to write."""
+    """Turns flat tensors into manifest entries and the buffers to write (tied tensors once)."""
 
     def __init__(self, checksums: bool) -> None:
         self.checksums = checksums
         self.entries: dict[str, TensorEntry] = {}
+        self.aliases: dict[str, str] = {}
         self.blobs: dict[str, torch.Tensor] = {}       # safetensors key → CPU tensor (stored dtype)
-        self._by_identity: dict[tuple, BufferEntry] = {}
-        self._storages: set[tuple] = set()
+        self._by_identity: dict[tuple, str] = {}
+        self._storages: set[int] = set()
 
     def add(self, name: str, t: Any) -> None:
         proto = to_tensor_proto(t)
@@ -88,31 +89,36 @@ class _Collector:
             if t.layout != torch.strided:
                 raise UnsupportedValueError(f"tensor {name!r} has layout {t.layout}; only dense tensors are saved")
             stored = {PLAIN_BUFFER: t.detach()}
-        entries = {}
-        for bname, b in stored.items():
-            key = name if bname == PLAIN_BUFFER else f"{name}.{bname}"
-            entries[bname] = self._buffer(key, b, name)
+        ident = (proto, tuple(_identity(b) for b in stored.values()))
+        first = self._by_identity.get(ident)
+        if first is not None:  # tied: the same tensor under another name
+            self.aliases[name] = first
+            self.entries[name] = self.entries[first]
+            return
+        self._by_identity[ident] = name
+        entries = {bname: self._buffer(buffer_key(name, bname), b, name) for bname, b in stored.items()}
         self.entries[name] = TensorEntry(proto, entries)
 
     def _buffer(self, key: str, b: torch.Tensor, tensor: str) -> BufferEntry:
-        ident = _identity(b)
-        if ident in self._by_identity:  # tied: store once, refer twice
-            return self._by_identity[ident]
         if key in self.blobs:
             raise UnsupportedValueError(f"buffer key {key!r} of tensor {tensor!r} is taken by another tensor")
         cpu = b.to("cpu") if b.device.type != "cpu" else b
-        storage = (cpu.untyped_storage().data_ptr(),) if cpu.numel() else None
-        if not cpu.is_contiguous() or (storage is not None and storage in self._storages):
-            cpu = cpu.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
-        elif storage is not None and cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size():
-            cpu = cpu.clone()  # a view into a larger storage
         if cpu.numel():
-            self._storages.add((cpu.untyped_storage().data_ptr(),))
+            storage = cpu.untyped_storage()
+            partial = storage.nbytes() != cpu.numel() * cpu.element_size()
+            if not cpu.is_contiguous() or partial or storage.data_ptr() in self._storages:
+                cpu = cpu.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
+            self._storages.add(cpu.untyped_storage().data_ptr())
         self.blobs[key] = cpu
-        entry = BufferEntry(SELF_FILE, key, tuple(cpu.shape), cpu.dtype,
-                            checksum(cpu) if self.checksums else None)
-        self._by_identity[ident] = entry
-        return entry
+        return BufferEntry(SELF_FILE, key, tuple(cpu.shape), cpu.dtype,
+                           checksum(cpu) if self.checksums else None)
+
+
+def _flat_tree(tree: Any) -> Any:
+    """None when the tree is a flat dict of tensors stored under their own keys (the common case)."""
+    if isinstance(tree, dict) and all(isinstance(v, TensorRef) and v.name == k for k, v in tree.items()):
+        return None
+    return tree
 
 
 def _plan_shards(blobs: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -179,8 +185,11 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
         collector.add(name, t)
 
     if path.suffix == ".safetensors":
-        manifest = Manifest(collector.entries, {}, tree, metadata, _producer())
-        header = {"format": "pt", HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")}
+        manifest = Manifest.from_entries(collector.entries, {}, tree=_flat_tree(tree), aliases=collector.aliases,
+                                         metadata=metadata, producer=_producer())
+        # One metadata key only: safetensors writes metadata in hash order, and the same
+        # tensors must always give the same bytes.
+        header = {HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")}
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_safetensors(path, collector.blobs, header)
         _fsync_path(path.parent, directory=True)
@@ -201,7 +210,8 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
     entries = {n: TensorEntry(e.proto, {b: BufferEntry(key_file[be.key], be.key, be.shape, be.dtype, be.checksum)
                                         for b, be in e.buffers.items()})
                for n, e in collector.entries.items()}
-    manifest = Manifest(entries, files, tree, metadata, _producer())
+    manifest = Manifest.from_entries(entries, files, tree=_flat_tree(tree), aliases=collector.aliases,
+                                     metadata=metadata, producer=_producer())
     tmp = path / f"{TMP_PREFIX}{save_id}-{MANIFEST_NAME}"
     try:
         tmp.write_bytes(manifest.to_bytes())

@@ -1,0 +1,272 @@
+"""Checkpoint round trips: every format × usage, plain dtypes, structure, sharding, lazy reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import te_serial as ts
+from te_serial.checkpoint.tree import unpack
+from conftest import make_input, same_bits
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+USAGES = [(True, False), (False, True), (True, True)]
+
+FORMATS = [
+    (lambda r, c: ts.Float8Quantizer(2.0, 5.0, E4M3, rowwise=r, columnwise=c), (3, 5, 70)),
+    (lambda r, c: ts.Float8CurrentScalingQuantizer(E5M2, rowwise=r, columnwise=c, force_pow_2_scales=True), (37, 53)),
+    (lambda r, c: ts.MXFP8Quantizer(E4M3, rowwise=r, columnwise=c), (2, 32, 64)),
+    (lambda r, c: ts.MXFP8Quantizer(E5M2, rowwise=r, columnwise=c, with_2d_quantization=True), (64, 96)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=1), (200, 300)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
+]
+PLAIN_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.complex64]
+
+
+def _quantized_state():
+    sd = {}
+    for i, (make, shape) in enumerate(FORMATS):
+        for r, c in USAGES:
+            q = make(r, c)
+            sd[f"{q.kind}{i}.{'r' if r else ''}{'c' if c else ''}"] = q(make_input("outliers", shape, torch.bfloat16, i))
+    return sd
+
+
+def _plain(dtype, shape=(3, 4)):
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return raw[..., 0] % 2 == 1
+    return raw.view(dtype).reshape(shape)
+
+
+def assert_same_tensor(got, want, name=""):
+    assert type(got) is type(want), name
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    if isinstance(want, ts.QuantizedTensor):
+        assert got.quantizer == want.quantizer, name
+        assert list(got.buffers()) == list(want.buffers()), name
+        for n, b in want.buffers().items():
+            assert same_bits(getattr(got, n), b), f"{name}.{n}"
+    else:
+        assert same_bits(got, want), name
+
+
+@pytest.mark.parametrize("layout", ["dir", "file", "sharded"])
+def test_every_format_and_usage_round_trips_bit_exactly(tmp_path, layout):
+    sd = _quantized_state()
+    path = tmp_path / ("ck.safetensors" if layout == "file" else "ck")
+    ts.save_quantized(sd, path, max_shard_size=3000 if layout == "sharded" else "5GB")
+    if layout == "sharded":
+        assert len(list(path.glob("*.safetensors"))) > 5
+    out = ts.load_quantized(path, verify=True)
+    assert list(out) == list(sd)
+    for k in sd:
+        assert_same_tensor(out[k], sd[k], k)
+        assert torch.equal(out[k].dequantize(torch.float32).nan_to_num(), sd[k].dequantize(torch.float32).nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", PLAIN_DTYPES, ids=str)
+def test_plain_tensors_of_every_dtype_and_odd_shapes(tmp_path, dtype):
+    sd = {"t": _plain(dtype), "empty": _plain(dtype, (0, 5)), "scalar": _plain(dtype, ()),
+          "vec": _plain(dtype, (7,))}
+    for path in (tmp_path / "d", tmp_path / "f.safetensors"):
+        ts.save_quantized(sd, path)
+        out = ts.load_quantized(path)
+        for k in sd:
+            assert_same_tensor(out[k], sd[k], k)
+
+
+def test_structure_values_and_metadata_come_back(tmp_path):
+    opt_state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4)}, 1: {"step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                          "amsgrad": False, "maximize": False, "foreach": None, "params": [0, 1],
+                          "name": "all", "big": 2**62, "neg": -7, "blob": b"\x00\xff"}],
+    }
+    sd = {"model": {"layer": {"weight": ts.NVFP4Quantizer()(torch.randn(32, 32))}}, "optim": opt_state,
+          "epoch": 4, "tags": ["a", "b"], "empty": {}, "nothing": None, "pair": (1, "x")}
+    path = tmp_path / "ck"
+    ts.save_quantized(sd, path, metadata={"run": "abc", "step": "12"})
+    out = ts.load_quantized(path)
+    assert out["optim"]["param_groups"] == opt_state["param_groups"]
+    assert isinstance(out["optim"]["param_groups"][0]["betas"], tuple)
+    assert list(out["optim"]["state"]) == [0, 1] and isinstance(next(iter(out["optim"]["state"])), int)
+    assert torch.equal(out["optim"]["state"][0]["exp_avg"], opt_state["state"][0]["exp_avg"])
+    assert (out["epoch"], out["tags"], out["empty"], out["nothing"], out["pair"]) == (4, ["a", "b"], {}, None, (1, "x"))
+    assert_same_tensor(out["model"]["layer"]["weight"], sd["model"]["layer"]["weight"])
+    with ts.open(path) as h:
+        assert h.metadata == {"run": "abc", "step": "12"}
+        assert "model.layer.weight" in h.keys() and "optim.state.0.exp_avg" in h
+
+
+def test_module_state_dict_and_tied_weights(tmp_path):
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    m[1].weight = m[0].weight  # tied
+    path = tmp_path / "m.safetensors"
+    ts.save_quantized(m, path)
+    with safe_open(str(path), "pt") as f:
+        assert len(list(f.keys())) == 1  # stored once
+    out = ts.load_quantized(path)
+    assert out["0.weight"] is out["1.weight"]
+    assert torch.equal(out["0.weight"], m[0].weight.detach())
+    w = ts.MXFP8Quantizer()(torch.randn(32, 32))
+    out = ts.load_quantized(ts.save_quantized({"a": w, "b": w.detach()}, tmp_path / "q") and tmp_path / "q")
+    assert out["a"] is out["b"]
+
+
+def test_views_and_non_contiguous_tensors_are_saved_by_value(tmp_path):
+    base = torch.arange(20.0).reshape(4, 5)
+    sd = {"t": base.t(), "row": base[1], "col": base[:, 2], "base": base}
+    out = ts.load_quantized(ts.save_quantized(sd, tmp_path / "v") and tmp_path / "v")
+    for k, v in sd.items():
+        assert torch.equal(out[k], v) and out[k].shape == v.shape
+
+
+def test_requires_grad_is_kept(tmp_path):
+    p = torch.nn.Parameter(torch.randn(3))
+    q = ts.MXFP8Quantizer()(torch.randn(32, 32)).requires_grad_(True)
+    out = ts.load_quantized(ts.save_quantized({"p": p, "q": q}, tmp_path / "g") and tmp_path / "g")
+    assert out["p"].requires_grad and out["q"].requires_grad
+    assert ts.read_protos(tmp_path / "g")["q"].requires_grad
+
+
+def test_buffers_readable_by_plain_safetensors_with_true_dtypes(tmp_path):
+    sd = {"fp8": ts.Float8CurrentScalingQuantizer(E5M2, columnwise=False)(torch.randn(16, 16)),
+          "mx": ts.MXFP8Quantizer(columnwise=False)(torch.randn(32, 64)),
+          "nv": ts.NVFP4Quantizer(columnwise=False)(torch.randn(16, 32)),
+          "blk": ts.Float8BlockQuantizer(columnwise=False)(torch.randn(16, 32)),
+          "bias": torch.randn(4, dtype=torch.bfloat16)}
+    path = tmp_path / "ck"
+    ts.save_quantized(sd, path)
+    [shard] = list(path.glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        assert torch.equal(f.get_tensor("mx._rowwise_data").view(torch.uint8), sd["mx"]._rowwise_data)
+    assert dtypes == {"fp8._data": "F8_E5M2", "fp8._scale_inv": "F32", "mx._rowwise_data": "F8_E4M3",
+                      "mx._rowwise_scale_inv": "F8_E8M0", "nv._rowwise_data": "U8",
+                      "nv._rowwise_scale_inv": "F8_E4M3", "nv._amax_rowwise": "F32",
+                      "blk._rowwise_data": "F8_E4M3", "blk._rowwise_scale_inv": "F32", "bias": "BF16"}
+
+
+def test_same_tensors_give_the_same_bytes(tmp_path):
+    x = torch.randn(100, 200)
+    a = ts.save_quantized({"w": ts.Float8BlockQuantizer()(x)}, tmp_path / "a.safetensors")
+    b = ts.save_quantized({"w": ts.Float8BlockQuantizer()(x.clone())}, tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert a.tensors["w"].buffers["_rowwise_scale_inv"].checksum == b.tensors["w"].buffers["_rowwise_scale_inv"].checksum
+
+
+def test_lazy_open_reads_only_what_is_asked(tmp_path, monkeypatch):
+    sd = {f"w{i}": ts.MXFP8Quantizer()(torch.randn(64, 64)) for i in range(6)}
+    path = tmp_path / "ck"
+    ts.save_quantized(sd, path, max_shard_size=10_000)
+    read = []
+    from te_serial.checkpoint import reader
+    orig = reader.Checkpoint._read_buffer
+    monkeypatch.setattr(reader.Checkpoint, "_read_buffer",
+                        lambda self, t, b, e, v: read.append((t, b)) or orig(self, t, b, e, v))
+    with ts.open(path) as h:
+        protos = h.protos
+        assert set(protos) == set(sd) and read == []
+        assert protos["w3"] == ts.to_tensor_proto(sd["w3"]).__class__(
+            (64, 64), torch.float32, ts.MXFP8Quantizer(), False, None)
+        w3 = h.get("w3")
+        assert {t for t, _ in read} == {"w3"}
+        assert_same_tensor(w3, sd["w3"])
+        sub = h.load_tensors(["w1", "w5"])
+        assert set(sub) == {"w1", "w5"} and {t for t, _ in read} == {"w1", "w3", "w5"}
+        meta = h.get("w2", device="meta")
+        assert meta.device.type == "meta" and isinstance(meta, ts.MXFP8Tensor)
+        with pytest.raises(ts.CheckpointError, match="no tensor 'nope'"):
+            h.get("nope")
+    assert ts.read_protos(path) == protos
+
+
+def test_cpu_load_is_zero_copy_mmap(tmp_path):
+    w = ts.MXFP8Quantizer(columnwise=False)(torch.randn(1024, 1024))
+    path = tmp_path / "z.safetensors"
+    ts.save_quantized({"w": w}, path)
+    out = ts.load_quantized(path)["w"]
+    maps = open("/proc/self/maps").read().splitlines()
+    ptr = out._rowwise_data.data_ptr()
+    mapped = [line for line in maps if str(path) in line]
+    assert any(int(l.split()[0].split("-")[0], 16) <= ptr < int(l.split()[0].split("-")[1], 16) for l in mapped)
+
+
+def test_resave_replaces_old_shards_and_keeps_directory_clean(tmp_path):
+    path = tmp_path / "ck"
+    ts.save_quantized({"a": torch.randn(1000)}, path, max_shard_size=1000)
+    first = set(p.name for p in path.iterdir())
+    ts.save_quantized({"b": torch.randn(10)}, path)
+    second = set(p.name for p in path.iterdir())
+    assert not (first - {"te_serial.msgpack"}) & second
+    assert len(second) == 2 and list(ts.load_quantized(path)) == ["b"]
+
+
+def test_manifest_records_producer_files_and_layout(tmp_path):
+    path = tmp_path / "ck"
+    ts.save_quantized({"w": ts.NVFP4Quantizer()(torch.randn(32, 32)), "b": torch.zeros(2),
+                       "w2": ts.NVFP4Quantizer()(torch.randn(32, 32))}, path)
+    doc = unpack((path / "te_serial.msgpack").read_bytes())
+    assert doc["format"] == "te-serial" and doc["version"] == [1, 0]
+    assert doc["producer"]["te_serial"] == ts.__version__ and doc["producer"]["torch"]
+    [f] = doc["files"]
+    assert (path / f["name"]).stat().st_size == f["size"]
+    assert doc["quantizers"] == [ts.NVFP4Quantizer().to_dict()]
+    cols = doc["tensors"]
+    assert cols["names"] == ["w", "b", "w2"] and cols["protos"] == [0, 1, 0]  # w and w2 share a prototype
+    w = doc["protos"][0]
+    assert w["storage"] == "NVFP4Tensor" and w["scale_layout"] == "compact" and w["quantizer"] == 0
+    assert [b["name"] for b in w["buffers"]] == list(ts.NVFP4Quantizer().describe_buffers((32, 32)))
+    assert {b["name"]: b["dtype"] for b in w["buffers"]}["_rowwise_scale_inv"] == "float8_e4m3fn"
+    assert doc["protos"][1]["quantizer"] is None and [b["name"] for b in doc["protos"][1]["buffers"]] == ["data"]
+    assert len(cols["checksums"][0]) == 6 and all(isinstance(c, int) for c in cols["checksums"][0])
+    assert "tree" not in doc  # a flat state dict needs no tree
+    json.dumps(doc)  # the manifest is JSON-compatible when it has no tree
+
+
+def test_no_checksums_option_and_verify_refuses(tmp_path):
+    path = tmp_path / "n.safetensors"
+    ts.save_quantized({"a": torch.ones(3)}, path, checksums=False)
+    assert torch.equal(ts.load_quantized(path)["a"], torch.ones(3))
+    with pytest.raises(ts.ChecksumError, match="without checksums"):
+        ts.verify(path)
+
+
+@pytest.mark.parametrize("bad", [{"x": object()}, {"x": torch.float32}, {1.5: torch.ones(1)},
+                                 {"x": {"y": lambda: 0}}, [torch.ones(1)]])
+def test_unsupported_values_are_refused_with_their_path(tmp_path, bad):
+    with pytest.raises(ts.UnsupportedValueError):
+        ts.save_quantized(bad, tmp_path / "u")
+    assert not (tmp_path / "u" / "te_serial.msgpack").exists()
+
+
+def test_name_collisions_and_bad_options(tmp_path):
+    with pytest.raises(ts.UnsupportedValueError, match="a.b"):
+        ts.save_quantized({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "c")
+    with pytest.raises(ts.CheckpointError, match="max_shard_size"):
+        ts.save_quantized({"a": torch.ones(1)}, tmp_path / "c", max_shard_size="lots")
+    with pytest.raises(ts.UnsupportedValueError, match="metadata"):
+        ts.save_quantized({"a": torch.ones(1)}, tmp_path / "c", metadata={"k": 1})
+    assert ts.checkpoint.parse_size("5GB") == 5 * 10**9 and ts.checkpoint.parse_size("2MiB") == 2 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_straight_to_cuda(tmp_path):
+    sd = _quantized_state()
+    sd["big"] = torch.randn(40 << 20 >> 2)  # larger than one staging chunk
+    path = tmp_path / "ck"
+    ts.save_quantized(sd, path)
+    out = ts.load_quantized(path, device="cuda")
+    for k in sd:
+        assert out[k].device.type == "cuda"
+        assert_same_tensor(out[k].cpu(), sd[k], k)
