@@ -33,6 +33,9 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
 
 _BY_DTYPE = {dt: name for name, (dt, _) in _DTYPES.items()}
 
+#: bytes per element of each safetensors dtype code te-serial reads
+SAFETENSORS_ITEMSIZE = {code: dt.itemsize for dt, code in _DTYPES.values()}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Stable name of a torch dtype (``torch.float8_e4m3fn`` → ``"float8_e4m3fn"``)."""

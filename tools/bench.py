@@ -1,6 +1,7 @@
 """te-serial benchmarks. Each prints figures as ratios against the baseline its issue names.
 
     python tools/bench.py quantize     # GB/s of BF16 input quantized per recipe vs a plain FP8 cast
+    python tools/bench.py ckpt         # save / load of ~1 GiB vs safetensors and torch.load; 10k-tensor open
 
 Timings are medians of several runs in one process; nothing here is asserted in tests.
 """
@@ -8,8 +9,11 @@ Timings are medians of several runs in one process; nothing here is asserted in 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import te_serial as ts  # noqa: E402
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
 
@@ -45,14 +50,149 @@ def bench_quantize(args) -> None:
         print(f"{name:<18}{gb / sec:>8.2f}{base / sec:>9.3f}")
 
 
+def _mixed_state_dict(total_bytes: int) -> dict[str, torch.Tensor]:
+    """~total_bytes of transformer-like tensors: quantized weights of four recipes + BF16 rest.
+
+    Buffers are filled with random bytes (this measures I/O, not numerics); they are laid out by
+    each tensor's prototype, so the bytes have exactly the shapes real quantized weights have.
+    """
+    g = torch.Generator().manual_seed(0)
+    recipes = ["mxfp8", "nvfp4", "fp8_block", "fp8_current"]
+    sd: dict[str, torch.Tensor] = {}
+    layer, size = 0, 0
+    while size < total_bytes:
+        for j, shape in enumerate([(4096, 4096), (4096, 2048), (2048, 4096)]):
+            q = recipe_quantizer(recipes[(layer + j) % len(recipes)], columnwise=False)
+            t = ts.TensorProto(shape, torch.bfloat16, q).create_tensor()
+            for b in t.buffers().values():
+                flat = b.view(torch.uint8).reshape(-1)
+                flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
+            sd[f"layers.{layer}.w{j}"] = t
+            size += t.quantized_nbytes()
+        for name, n in (("norm", 4096), ("bias", 4096)):
+            sd[f"layers.{layer}.{name}"] = torch.randn(n, generator=g).to(torch.bfloat16)
+        sd[f"layers.{layer}.proj_bf16"] = torch.randn(1024, 4096, generator=g).to(torch.bfloat16)
+        size += 2 * 4096 * 2 + 1024 * 4096 * 2
+        layer += 1
+    return sd
+
+
+def _buffers_of(sd) -> dict[str, torch.Tensor]:
+    """The same bytes as a flat dict of plain tensors (what safetensors / torch.save are given)."""
+    out = {}
+    for name, t in sd.items():
+        if isinstance(t, ts.QuantizedTensor):
+            values = t.quantizer.value_dtypes()
+            out.update({f"{name}.{n}": b.view(values[n]) for n, b in t.buffers().items()})
+        else:
+            out[name] = t
+    return out
+
+
+def _read_all(tensors) -> None:
+    """Touch every byte (uint8 max: ~27 GB/s here, so the reader is not the bottleneck)."""
+    for t in tensors:
+        if isinstance(t, ts.QuantizedTensor):
+            for b in t.buffers().values():
+                b.reshape(-1).view(torch.uint8).max()
+        elif t.numel():
+            t.reshape(-1).view(torch.uint8).max()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _ab(fns: dict, repeat: int) -> dict[str, float]:
+    """Median seconds of each function, runs interleaved A/B/C/A/B/C…"""
+    times = {k: [] for k in fns}
+    for k, fn in fns.items():  # warm-up
+        fn()
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_ckpt(args) -> None:
+    from safetensors.torch import load_file, save_file
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-", dir=args.dir))
+    try:
+        sd = _mixed_state_dict(int(args.gib * (1 << 30)))
+        flat = _buffers_of(sd)
+        nbytes = sum(t.numel() * t.element_size() for t in flat.values())
+        gb = nbytes / 1e9
+        print(f"ckpt: {len(sd)} tensors, {nbytes / (1 << 30):.2f} GiB "
+              f"({sum(isinstance(t, ts.QuantizedTensor) for t in sd.values())} quantized), "
+              f"median of {args.repeat}, A/B interleaved")
+        ours, st_file, pt_file = work / "ours", work / "st.safetensors", work / "pt.pt"
+        ts.save_quantized(sd, ours)
+        save_file(flat, str(st_file))
+        torch.save(flat, pt_file)
+
+        load = _ab({
+            "te_serial.load_quantized": lambda: _read_all(ts.load_quantized(ours).values()),
+            "safetensors.load_file": lambda: _read_all(load_file(str(st_file)).values()),
+            "torch.load(weights_only)": lambda: _read_all(torch.load(pt_file, weights_only=True).values()),
+        }, args.repeat)
+        base = load["safetensors.load_file"]
+        print(f"\nload to CPU + read every byte        GB/s   ours is x faster")
+        for k, sec in load.items():
+            print(f"  {k:<32}{gb / sec:>7.2f}   {sec and load[k] / load['te_serial.load_quantized']:>6.2f}")
+        print(f"  ratio vs safetensors load_file: {base / load['te_serial.load_quantized']:.2f}x (target >= 0.9)")
+        print(f"  ratio vs torch.load:            "
+              f"{load['torch.load(weights_only)'] / load['te_serial.load_quantized']:.2f}x (target >= 1.5)")
+
+        counter = iter(range(10**6))
+
+        def save_ours():
+            p = work / f"s{next(counter)}"
+            ts.save_quantized(sd, p)
+            shutil.rmtree(p)
+
+        def save_st():
+            p = work / f"s{next(counter)}.safetensors"
+            save_file(flat, str(p))
+            _fsync(p)  # te-serial fsyncs for atomicity; compare like with like
+            p.unlink()
+
+        save = _ab({"te_serial.save_quantized": save_ours, "safetensors.save_file+fsync": save_st},
+                   args.repeat)
+        print(f"\nsave (fsync'd)                        GB/s")
+        for k, sec in save.items():
+            print(f"  {k:<32}{gb / sec:>7.2f}")
+        print(f"  ratio vs safetensors save_file: "
+              f"{save['safetensors.save_file+fsync'] / save['te_serial.save_quantized']:.2f}x (target >= 0.9)")
+
+        many = work / "many"
+        x = torch.randn(64, 64)
+        small = [recipe_quantizer(r)(x) for r in ("mxfp8", "nvfp4", "fp8_block", "fp8_current")]
+        ts.save_quantized({f"layers.{i // 10}.t{i % 10}": (small[i % 4] if i % 5 else torch.randn(8))
+                           for i in range(10_000)}, many)
+        opened = _ab({"open+protos": lambda: len(ts.open(many).protos)}, args.repeat)
+        print(f"\nopen + read all prototypes of a 10,000-tensor checkpoint: "
+              f"{opened['open+protos'] * 1e3:.1f} ms (target <= 50 ms); manifest "
+              f"{(many / 'te_serial.msgpack').stat().st_size / 1e3:.0f} kB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="which", required=True)
     q = sub.add_parser("quantize", help="quantize throughput per recipe")
     q.add_argument("--size", type=int, default=4096)
     q.add_argument("--repeat", type=int, default=5)
+    c = sub.add_parser("ckpt", help="checkpoint save/load against safetensors and torch.load")
+    c.add_argument("--gib", type=float, default=1.0, help="size of the mixed state dict")
+    c.add_argument("--repeat", type=int, default=5)
+    c.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     args = parser.parse_args(argv)
-    {"quantize": bench_quantize}[args.which](args)
+    {"quantize": bench_quantize, "ckpt": bench_ckpt}[args.which](args)
     return 0
 
 

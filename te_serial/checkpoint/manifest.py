@@ -13,6 +13,7 @@ quantizer describes; indices in range; names unique) — before any buffer is to
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 from dataclasses import dataclass, field
@@ -68,8 +69,16 @@ def _validator():
     return jsonschema_rs.validator_for(schema())
 
 
+@functools.lru_cache(maxsize=4096)
+def memory_specs(proto: TensorProto):
+    """The prototype's buffer specs (cached: checkpoints repeat a few prototypes many times)."""
+    return proto.buffer_specs()
+
+
+@functools.lru_cache(maxsize=4096)
 def expected_buffers(proto: TensorProto) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name → (shape, stored dtype) of each buffer a tensor of this prototype has on disk."""
+    """name → (shape, stored dtype) of each buffer a tensor of this prototype has on disk (cached;
+    callers must not modify the result)."""
     if proto.quantizer is None:
         return {PLAIN_BUFFER: (proto.shape, proto.dtype)}
     values = proto.quantizer.value_dtypes()
@@ -229,7 +238,15 @@ class Manifest:
     @staticmethod
     def from_bytes(data: bytes, *, source: str, strict: bool = True) -> "Manifest":
         """Decode and validate; raises :class:`ManifestError` naming ``source`` on any flaw."""
-        return _Decoder(source, strict).decode(data)
+        # Decoding creates many small objects at once; a cyclic-GC pass in the middle of it
+        # (likelier the more objects the process holds) would cost more than the decode.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return _Decoder(source, strict).decode(data)
+        finally:
+            if enabled:
+                gc.enable()
 
 
 class _Decoder:
@@ -297,7 +314,7 @@ class _Decoder:
             if len(row) != nbuf[p] or (checksums is not None and len(checksums[i]) != nbuf[p]):
                 self.fail(f"{len(row)} buffer files for a prototype with {nbuf[p]} buffers",
                           tensor=names[i], field="tensors/files")
-            if any(f >= n_files for f in row):
+            if row and max(row) >= n_files:
                 self.fail("buffer file index out of range", tensor=names[i], field="tensors/files")
         aliases = {}
         for a, b in cols.get("aliases", []):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gc
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,14 +21,53 @@ from typing import Any, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..dtypes import safetensors_code
+from ..dtypes import SAFETENSORS_ITEMSIZE, safetensors_code
 from ..errors import (ChecksumError, CheckpointError, CheckpointFileError, ManifestError,
                       TensorMismatchError)
+from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
-                       TensorEntry, checksum, format_checksum)
+                       TensorEntry, checksum, format_checksum, memory_specs)
 from .tree import rebuild_tree
 from .transfer import DeviceCopier
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """key → {dtype, shape, data_offsets} from a safetensors header, checked against the file size.
+
+    One read and one JSON parse (cheaper than a slice lookup per key); a malformed or lying
+    header is a :class:`CheckpointFileError` before any buffer is mapped.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > MAX_HEADER_BYTES or n > size - 8:
+                raise CheckpointFileError(f"safetensors header length {n} does not fit the file "
+                                          f"({size} bytes)", file=str(path))
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointFileError(f"unreadable safetensors header: {e}", file=str(path)) from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError("safetensors header is not a JSON object", file=str(path))
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    for key, info in header.items():
+        try:
+            start, end = info["data_offsets"]
+            count = math.prod(info["shape"])
+            width = SAFETENSORS_ITEMSIZE[info["dtype"]]
+            ok = 0 <= start <= end <= data_len and end - start == count * width
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointFileError(f"safetensors entry {key!r} has bad offsets, shape or dtype",
+                                      file=str(path), field=key)
+    return header
 
 
 def _safe_open(path: Path):
@@ -130,19 +172,20 @@ class Checkpoint:
         return self._by_file
 
     def _check_header(self, name: str, handle) -> None:
-        where = str(self._file_path(name))
-        keys = set(handle.keys())
+        """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
+        path = self._file_path(name)
+        header = read_safetensors_header(path)
         for tname, bname, b in self._buffers_by_file().get(name, []):
-            if b.key not in keys:
+            info = header.get(b.key)
+            if info is None:
                 raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file",
-                                          file=where, tensor=tname, field=bname)
-            sl = handle.get_slice(b.key)
-            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                                          file=str(path), tensor=tname, field=bname)
+            shape, dtype = tuple(info["shape"]), info["dtype"]
             if shape != b.shape or dtype != safetensors_code(b.dtype):
                 raise TensorMismatchError(
                     f"buffer {bname} is {dtype}{list(shape)} in the file but "
                     f"{safetensors_code(b.dtype)}{list(b.shape)} in the manifest",
-                    file=where, tensor=tname, field=bname)
+                    file=str(path), tensor=tname, field=bname)
 
     def close(self) -> None:
         self._handles.clear()
@@ -183,7 +226,7 @@ class Checkpoint:
         else:
             raw = {n: self._read_buffer(name, n, entry, verify) for n in entry.buffers}
             if proto.quantizer is not None:
-                specs = proto.buffer_specs()
+                specs = memory_specs(proto)
                 raw = {n: t.view(specs[n].dtype) for n, t in raw.items()}
             if copier is not None:  # allocate from the prototype on the target device, copy in
                 dst = (proto.quantizer.alloc_tensors(proto.shape, device=device) if proto.quantizer is not None
@@ -209,20 +252,31 @@ class Checkpoint:
         return self.load_tensors([name], device=device, verify=verify)[name]
 
     def load_tensors(self, names=None, device: str | torch.device = "cpu", *,
-                     verify: bool = False) -> dict[str, torch.Tensor]:
-        """Tensors by flat name (all by default), on ``device``."""
+                     verify: bool = False, as_te: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors by flat name (all by default), on ``device``; TE's own classes if ``as_te``."""
         device = torch.device(device)
         names = list(self.manifest.tensors) if names is None else list(names)
         copier = DeviceCopier(device) if device.type not in ("cpu", "meta") else None
         cache: dict = {}
-        out = {n: self._load(n, device, verify, copier, cache) for n in names}
+        enabled = gc.isenabled()
+        gc.disable()  # many small objects at once; see Manifest.from_bytes
+        try:
+            out = {n: self._load(n, device, verify, copier, cache) for n in names}
+        finally:
+            if enabled:
+                gc.enable()
         if copier is not None:
             copier.finish()
+        if as_te:
+            from ..te_interop import to_te
+            converted: dict[int, Any] = {}  # keep tied tensors tied
+            out = {n: converted.setdefault(id(t), to_te(t)) if isinstance(t, QuantizedTensorStorage) else t
+                   for n, t in out.items()}
         return out
 
-    def load(self, device: str | torch.device = "cpu", *, verify: bool = False) -> Any:
+    def load(self, device: str | torch.device = "cpu", *, verify: bool = False, as_te: bool = False) -> Any:
         """The saved object with its structure: nested dicts, lists, tuples and plain values."""
-        tensors = self.load_tensors(device=device, verify=verify)
+        tensors = self.load_tensors(device=device, verify=verify, as_te=as_te)
         if self.manifest.tree is None:
             return tensors
         return rebuild_tree(self.manifest.tree, tensors)
@@ -244,14 +298,15 @@ def open_checkpoint(path: str | os.PathLike, *, strict: bool = True) -> Checkpoi
 
 
 def load_quantized(path: str | os.PathLike, *, device: str | torch.device = "cpu", strict: bool = True,
-                   verify: bool = False) -> Any:
+                   verify: bool = False, as_te: bool = False) -> Any:
     """Load what ``save_quantized`` saved: same structure, keys, dtypes and bytes, on ``device``.
 
     ``strict=False`` skips tensors whose entry cannot be rebuilt (e.g. a quantizer kind from a
-    newer te-serial) instead of failing; ``verify=True`` checks every buffer's checksum.
+    newer te-serial) instead of failing; ``verify=True`` checks every buffer's checksum;
+    ``as_te=True`` returns Transformer Engine's own tensor classes (TE must be importable).
     """
     with Checkpoint(path, strict=strict) as ckpt:
-        return ckpt.load(device=device, verify=verify)
+        return ckpt.load(device=device, verify=verify, as_te=as_te)
 
 
 def read_protos(path: str | os.PathLike) -> dict[str, TensorProto]:

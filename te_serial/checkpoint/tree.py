@@ -28,7 +28,8 @@ class TensorRef:
 
 
 def _is_tensor(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, QuantizedTensorStorage))
+    from ..te_interop import is_te_tensor  # TE storages are tensors here too (not torch.Tensors)
+    return isinstance(value, (torch.Tensor, QuantizedTensorStorage)) or is_te_tensor(value)
 
 
 def flatten_tree(obj: Any) -> tuple[Any, dict[str, Any]]:

@@ -22,6 +22,7 @@ from .. import __version__
 from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
+from ..te_interop import from_te, is_te_tensor
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, BufferEntry, Manifest,
                        TensorEntry, buffer_key, checksum)
 from .tree import TensorRef, flatten_tree
@@ -59,8 +60,8 @@ def _producer() -> dict[str, Any]:
 
 def _identity(t: torch.Tensor) -> tuple:
     """Two tensors with equal identity hold the same bytes at the same place (tied weights)."""
-    if t.numel() == 0:
-        return ("empty", tuple(t.shape), t.dtype)
+    if t.numel() == 0:  # no storage to compare: only the very same object is "tied"
+        return ("empty", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             t.stride(), t.dtype)
 
@@ -77,6 +78,8 @@ class _Collector:
         self._storages: set[int] = set()
 
     def add(self, name: str, t: Any) -> None:
+        if is_te_tensor(t):  # TE's own classes: converted on the way in, same bytes
+            t = from_te(t)
         proto = to_tensor_proto(t)
         proto = TensorProto(proto.shape, proto.dtype, proto.quantizer, proto.requires_grad)
         if isinstance(t, QuantizedTensorStorage):

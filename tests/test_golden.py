@@ -1,0 +1,480 @@
+"""Golden checkpoints (schema/golden/): every te-serial must read format v1 exactly.
+
+Each ``<name>.safetensors`` was written once by tools/make_golden.py, next to
+``<name>.expected.json`` holding what a reader must get: per tensor its prototype, each buffer's
+key, shape, dtype and xxh3_64, the xxh3_64 of ``dequantize(torch.float32)``, and the tree with
+its plain values. These tests read the files through te-serial (``open``, ``load_quantized``,
+``verify``) and, independently, with plain ``safetensors`` + ``msgpack`` following
+schema/README.md. They never regenerate anything: a failure here means a reader change broke
+v1 compatibility (or a golden file was changed), not that the goldens need refreshing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import te_serial as ts
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "schema" / "golden"
+README = ROOT / "schema" / "README.md"
+
+#: every golden checkpoint; removing one (or its record) must fail CI
+GOLDEN_NAMES = (
+    "fp8_delayed", "fp8_current_e4m3", "fp8_current_e5m2", "mxfp8_1x32", "mxfp8_2d",
+    "fp8_blockwise_1d", "fp8_blockwise_2d", "nvfp4_1d", "nvfp4_2d", "mixed",
+)
+#: the quantizer kinds and storage classes the goldens must cover between them
+KINDS = {"fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_blockwise", "nvfp4"}
+MAX_GOLDEN_BYTES = 320_000
+
+HEADER_KEY = "te_serial.manifest"
+TENSOR_EXT, TUPLE_EXT = 1, 2
+
+
+# --- helpers independent of te-serial ------------------------------------------------------------
+
+def digest(t: torch.Tensor) -> str:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    data = b"" if flat.numel() == 0 else flat.view(torch.uint8).numpy().tobytes()
+    return "xxh3_64:" + xxhash.xxh3_64(data).hexdigest()
+
+
+def decode_value(v):
+    """Inverse of make_golden.encode_value, with tensors left as ``("$tensor", name)`` markers."""
+    if isinstance(v, dict):
+        (tag, x), = v.items()
+        if tag == "$tensor":
+            return ("$tensor", x)
+        if tag == "$dict":
+            return {k: decode_value(y) for k, y in x}
+        if tag == "$tuple":
+            return tuple(decode_value(y) for y in x)
+        if tag == "$float":
+            return float.fromhex(x)
+        if tag == "$bytes":
+            return bytes.fromhex(x)
+        raise AssertionError(f"unknown tag {tag}")
+    if isinstance(v, list):
+        return [decode_value(y) for y in v]
+    return v
+
+
+def assert_same_tree(got, want, tensors: dict, path: str = "<root>") -> None:
+    """``got`` (a loaded object) has ``want``'s structure, types and values exactly; tensor
+    markers must be the very objects ``tensors[name]``."""
+    if isinstance(want, tuple) and len(want) == 2 and want[0] == "$tensor" and isinstance(want[1], str):
+        assert got is tensors[want[1]], f"{path}: not the tensor {want[1]!r}"
+        return
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
+        assert [type(k) for k in got] == [type(k) for k in want], f"{path}: key types differ"
+        for k in want:
+            assert_same_tree(got[k], want[k], tensors, f"{path}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_tree(g, w, tensors, f"{path}.{i}")
+    elif isinstance(want, float):
+        assert math.copysign(1, got) == math.copysign(1, want) and (got == want or got != got and want != want), \
+            f"{path}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def record(name: str) -> dict:
+    return json.loads((GOLDEN / f"{name}.expected.json").read_text(encoding="utf-8"))
+
+
+def golden(name: str) -> Path:
+    return GOLDEN / f"{name}.safetensors"
+
+
+# --- the files are there and unchanged -----------------------------------------------------------
+
+def test_golden_files_exist():
+    assert GOLDEN.is_dir(), f"{GOLDEN} is missing: golden checkpoints must never be deleted"
+    for name in GOLDEN_NAMES:
+        assert golden(name).is_file(), f"golden checkpoint {golden(name)} is missing"
+        assert (GOLDEN / f"{name}.expected.json").is_file(), f"expected record of {name} is missing"
+    found = {p.name.removesuffix(".safetensors") for p in GOLDEN.glob("*.safetensors")}
+    recorded = {p.name.removesuffix(".expected.json") for p in GOLDEN.glob("*.expected.json")}
+    assert found == recorded, f"golden files without a record or records without a file: {found ^ recorded}"
+    assert found >= set(GOLDEN_NAMES)
+    total = sum(p.stat().st_size for p in GOLDEN.iterdir())
+    assert total <= MAX_GOLDEN_BYTES, f"schema/golden is {total} bytes; keep it small"
+
+
+def test_goldens_cover_every_format():
+    kinds, storages, usages = set(), set(), set()
+    for name in GOLDEN_NAMES:
+        for t in record(name)["tensors"].values():
+            q = t["quantizer"]
+            if q is not None:
+                kinds.add(q["kind"])
+                storages.add(t["storage"])
+                usages.add((q["kind"], q["rowwise"], q["columnwise"]))
+    assert kinds == KINDS
+    assert storages == {"Float8Tensor", "MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor"}
+    for kind in KINDS:  # both usages, rowwise only and columnwise only, for every format
+        assert {(kind, True, True), (kind, True, False), (kind, False, True)} <= usages, kind
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_file_unchanged(name):
+    rec = record(name)
+    data = golden(name).read_bytes()
+    assert len(data) == rec["file_bytes"]
+    assert "xxh3_64:" + xxhash.xxh3_64(data).hexdigest() == rec["file_xxh3_64"], \
+        f"{golden(name)} was modified; golden files are immutable"
+
+
+# --- through te-serial ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_manifest_as_recorded(name):
+    rec = record(name)
+    with ts.open(golden(name)) as ckpt:
+        m = ckpt.manifest
+        assert tuple(m.version) == tuple(rec["version"]) == (1, 0)
+        assert dict(m.producer) == rec["producer"]
+        assert ckpt.metadata == rec["metadata"]
+        assert ckpt.keys() == list(rec["tensors"])
+        protos = ckpt.protos
+        for tname, want in rec["tensors"].items():
+            p = protos[tname]
+            assert list(p.shape) == want["shape"], tname
+            assert p.dtype == getattr(torch, want["dtype"]), tname
+            assert p.requires_grad == want["requires_grad"], tname
+            if want["quantizer"] is None:
+                assert p.quantizer is None, tname
+            else:
+                assert p.quantizer.to_dict() == want["quantizer"], tname
+                assert type(p.quantizer) is ts.resolve_quantizer(want["quantizer"]["kind"])
+                assert p.quantizer.tensor_class.__name__ == want["storage"], tname
+            entry = m.tensors[tname]
+            assert list(entry.buffers) == list(want["buffers"]), tname
+            for bname, wb in want["buffers"].items():
+                b = entry.buffers[bname]
+                assert b.key == wb["key"], (tname, bname)
+                assert list(b.shape) == wb["shape"], (tname, bname)
+                assert b.dtype == getattr(torch, wb["dtype"]), (tname, bname)
+                assert b.checksum is not None, (tname, bname)
+                cs = b.checksum if isinstance(b.checksum, str) else f"xxh3_64:{b.checksum:016x}"
+                assert cs == wb["xxh3_64"], (tname, bname)
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_tensors_as_recorded(name):
+    rec = record(name)
+    with ts.open(golden(name)) as ckpt:
+        loaded = ckpt.load_tensors(verify=True)
+    assert list(loaded) == list(rec["tensors"])
+    for tname, want in rec["tensors"].items():
+        t = loaded[tname]
+        assert list(t.shape) == want["shape"], tname
+        assert t.dtype == getattr(torch, want["dtype"]), tname
+        assert t.requires_grad == want["requires_grad"], tname
+        if want["quantizer"] is None:
+            assert type(t) in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, ts.QuantizedTensor)
+            assert digest(t) == want["buffers"]["data"]["xxh3_64"], tname
+            continue
+        assert type(t).__name__ == want["storage"], tname
+        assert t.quantizer.to_dict() == want["quantizer"], tname
+        values = t.quantizer.value_dtypes()
+        bufs = t.buffers()
+        assert list(bufs) == list(want["buffers"]), tname
+        for bname, wb in want["buffers"].items():
+            stored = bufs[bname].view(values[bname])
+            assert list(stored.shape) == wb["shape"] and stored.dtype == getattr(torch, wb["dtype"]), (tname, bname)
+            assert digest(stored) == wb["xxh3_64"], f"{tname}.{bname}: bytes differ"
+        dq = t.dequantize(torch.float32)
+        assert dq.dtype == torch.float32 and list(dq.shape) == want["shape"]
+        assert digest(dq) == want["dequantized_float32_xxh3_64"], f"{tname}: dequantized values differ"
+
+
+def _leaves_of(obj, want) -> dict:
+    """flat name → the object found in ``obj`` where ``want`` has that tensor's marker."""
+    out = {}
+
+    def walk(w, g):
+        if isinstance(w, tuple) and len(w) == 2 and w[0] == "$tensor" and isinstance(w[1], str):
+            out[w[1]] = g
+        elif isinstance(w, dict) and isinstance(g, dict):
+            for k in w:
+                if k in g:
+                    walk(w[k], g[k])
+        elif isinstance(w, (list, tuple)) and isinstance(g, (list, tuple)):
+            for x, y in zip(w, g):
+                walk(x, y)
+
+    walk(want, obj)
+    return out
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_tree_as_recorded(name):
+    """load_quantized gives back the saved structure: keys (and their types) in order, tuples as
+    tuples, every plain value exactly, and the recorded tensor at each tensor's place."""
+    rec = record(name)
+    want = decode_value(rec["tree"])
+    obj = ts.load_quantized(golden(name), verify=True)
+    leaves = _leaves_of(obj, want)
+    assert set(leaves) == set(rec["tensors"])
+    for n, t in leaves.items():
+        w = rec["tensors"][n]
+        assert isinstance(t, torch.Tensor), n
+        if w["quantizer"] is None:
+            assert digest(t) == w["buffers"]["data"]["xxh3_64"], n
+        else:
+            assert digest(t.dequantize(torch.float32)) == w["dequantized_float32_xxh3_64"], n
+    assert_same_tree(obj, want, leaves)
+
+
+def test_tied_tensors_come_back_as_one():
+    obj = ts.load_quantized(golden("mixed"))
+    assert obj["emb"]["weight"] is obj["head"]["weight"]
+    rec = record("mixed")["tensors"]
+    assert rec["head.weight"]["buffers"]["data"]["key"] == "emb.weight"
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_verify_passes(name):
+    rec = record(name)
+    distinct = {b["key"] for t in rec["tensors"].values() for b in t["buffers"].values()}
+    checked = ts.verify(golden(name))
+    assert checked >= len(distinct)
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_meta_device_protos(name):
+    """Prototypes alone (no buffer read) rebuild every tensor's shape, dtype and buffer layout."""
+    rec = record(name)
+    for tname, p in ts.read_protos(golden(name)).items():
+        want = rec["tensors"][tname]
+        t = p.create_tensor(device="meta")
+        assert list(t.shape) == want["shape"] and t.dtype == getattr(torch, want["dtype"])
+        if p.quantizer is not None:
+            specs = p.buffer_specs()
+            assert list(specs) == list(want["buffers"])
+            for bname, wb in want["buffers"].items():
+                assert list(specs[bname].shape) == wb["shape"]
+
+
+# --- without te-serial: plain safetensors + msgpack, as schema/README.md describes ----------------
+
+def _ext_hook(code, data):
+    if code == TENSOR_EXT:
+        return ("$tensor", data.decode("utf-8"))
+    if code == TUPLE_EXT:
+        return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+    raise ValueError(f"unknown ext type {code}")
+
+
+def raw_manifest(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    return msgpack.unpackb(base64.b64decode(meta[HEADER_KEY]), ext_hook=_ext_hook, raw=False,
+                           strict_map_key=False)
+
+
+def raw_buffers(doc: dict) -> dict[str, dict[str, dict]]:
+    """tensor name → buffer name → {key, shape, dtype, checksum} from the manifest's columns."""
+    cols = doc["tensors"]
+    aliases = {a: b for a, b in cols.get("aliases", [])}
+    out = {}
+    for i, tname in enumerate(cols["names"]):
+        proto = doc["protos"][cols["protos"][i]]
+        src = aliases.get(i, i)
+        bufs = {}
+        for j, b in enumerate(proto["buffers"]):
+            key = cols["names"][src] if b["name"] == "data" else f"{cols['names'][src]}.{b['name']}"
+            cs = cols["checksums"][src][j] if cols.get("checksums") is not None else None
+            bufs[b["name"]] = {"key": key, "shape": b["shape"], "dtype": b["dtype"], "checksum": cs,
+                               "file": cols["files"][src][j]}
+        out[tname] = bufs
+    return out
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_raw_read_without_te_serial(name):
+    rec = record(name)
+    doc = raw_manifest(golden(name))
+    assert doc["format"] == "te-serial" and doc["version"] == rec["version"]
+    assert doc["files"] == [], "a single-file checkpoint lists no other files"
+    assert doc["producer"] == rec["producer"] and doc["metadata"] == rec["metadata"]
+    raw = raw_buffers(doc)
+    assert list(raw) == list(rec["tensors"])
+    st = load_file(str(golden(name)))
+    used = set()
+    for tname, want in rec["tensors"].items():
+        proto = doc["protos"][doc["tensors"]["protos"][doc["tensors"]["names"].index(tname)]]
+        assert proto["shape"] == want["shape"] and proto["dtype"] == want["dtype"]
+        assert proto["requires_grad"] == want["requires_grad"]
+        q = proto["quantizer"]
+        assert (doc["quantizers"][q] if q is not None else None) == want["quantizer"]
+        assert proto.get("storage") == want["storage"]
+        assert proto.get("scale_layout") == want["scale_layout"]
+        for bname, wb in want["buffers"].items():
+            b = raw[tname][bname]
+            assert b["key"] == wb["key"] and b["shape"] == wb["shape"] and b["dtype"] == wb["dtype"]
+            assert b["file"] == 0
+            assert f"xxh3_64:{b['checksum']:016x}" == wb["xxh3_64"]
+            t = st[b["key"]]
+            assert t.dtype == getattr(torch, wb["dtype"]) and list(t.shape) == wb["shape"]
+            assert digest(t) == wb["xxh3_64"], (tname, bname)
+            used.add(b["key"])
+        if want["buffers"] and all(b["key"] == (tname if n == "data" else f"{tname}.{n}")
+                                   for n, b in want["buffers"].items()):
+            continue
+        assert "aliases" in doc["tensors"], f"{tname} uses another tensor's keys but is no alias"
+    assert used == set(st), "the file holds keys no tensor uses"
+    if "tree" not in doc:  # the implied tree: a flat dict of every tensor under its own name
+        assert decode_value(rec["tree"]) == {n: ("$tensor", n) for n in rec["tensors"]}
+    else:
+        assert doc["tree"] == decode_value(rec["tree"])
+
+
+def test_safetensors_dtypes_on_disk():
+    """Generic tools see the true dtypes (README table)."""
+    codes = {}
+    for name in GOLDEN_NAMES:
+        path = golden(name)
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        for tname, want in record(name)["tensors"].items():
+            if want["quantizer"] is None:
+                continue
+            kind = want["quantizer"]["kind"]
+            for bname, wb in want["buffers"].items():
+                assert header[wb["key"]]["dtype"] == wb["safetensors_dtype"]
+                codes.setdefault((kind, bname), set()).add(wb["safetensors_dtype"])
+    assert codes[("mxfp8", "_rowwise_scale_inv")] == {"F8_E8M0"}
+    assert codes[("mxfp8", "_rowwise_data")] == {"F8_E4M3", "F8_E5M2"}
+    assert codes[("fp8_blockwise", "_rowwise_scale_inv")] == {"F32"}
+    assert codes[("nvfp4", "_rowwise_data")] == {"U8"}
+    assert codes[("nvfp4", "_columnwise_scale_inv")] == {"F8_E4M3"}
+    assert codes[("nvfp4", "_amax_rowwise")] == {"F32"}
+    assert codes[("fp8_delayed_scaling", "_transpose")] == {"F8_E4M3"}
+    assert codes[("fp8_current_scaling", "_data")] == {"F8_E4M3", "F8_E5M2"}
+
+
+def _readme_example() -> dict:
+    text = README.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    code = next((b for b in blocks if "def read_checkpoint" in b), None)
+    assert code is not None, "schema/README.md lost its python example"
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - our own documentation
+    return ns
+
+
+def _check_readme_reader(ns: dict, path: Path, rec: dict) -> None:
+    tensors = ns["read_checkpoint"](path)
+    assert list(tensors) == list(rec["tensors"])
+    for tname, want in rec["tensors"].items():
+        t = tensors[tname]
+        assert t["shape"] == want["shape"] and t["dtype"] == want["dtype"] and t["quantizer"] == want["quantizer"]
+        assert {n: digest(b) for n, b in t["buffers"].items()} == \
+            {n: wb["xxh3_64"] for n, wb in want["buffers"].items()}, tname
+        if want["quantizer"] is not None and want["quantizer"]["kind"] == "mxfp8":
+            assert digest(ns["dequantize_mxfp8"](t)) == want["dequantized_float32_xxh3_64"], tname
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_readme_example_reads_goldens(name):
+    """The README's reader (plain safetensors + msgpack) finds every buffer, and its hand-written
+    MXFP8 dequantization gives te-serial's fp32 bytes exactly."""
+    _check_readme_reader(_readme_example(), golden(name), record(name))
+
+
+def test_readme_example_reads_directory_layout(tmp_path):
+    """The same reader on the directory layout: a golden checkpoint re-saved as several shards."""
+    name = "mxfp8_1x32"
+    ckpt = tmp_path / "ckpt"
+    ts.save_quantized(ts.load_quantized(golden(name)), ckpt, max_shard_size=10_000)
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    assert len(shards) > 1 and all(re.fullmatch(r"model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors", s)
+                                   for s in shards), shards
+    assert (ckpt / "te_serial.msgpack").is_file()
+    _check_readme_reader(_readme_example(), ckpt, record(name))
+
+
+# --- versioning rules, on copies of a golden file ------------------------------------------------
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a single-file checkpoint with its manifest changed by ``edit(doc)`` (ext types kept)."""
+    with safe_open(str(src), framework="pt") as f:
+        meta = dict(f.metadata())
+    doc = msgpack.unpackb(base64.b64decode(meta[HEADER_KEY]), raw=False, strict_map_key=False)
+    edit(doc)
+    meta[HEADER_KEY] = base64.b64encode(msgpack.packb(doc, use_bin_type=True)).decode("ascii")
+    save_file(load_file(str(src)), str(dst), metadata=meta)
+    return dst
+
+
+def test_newer_major_version_is_refused(tmp_path):
+    path = _rewrite(golden("mxfp8_1x32"), tmp_path / "v2.safetensors",
+                    lambda d: d.__setitem__("version", [2, 0]))
+    with pytest.raises(ts.VersionError, match=r"2\.0.*newer"):
+        ts.load_quantized(path)
+
+
+def test_newer_minor_version_with_unknown_optional_fields_loads(tmp_path):
+    def edit(doc):
+        doc["version"] = [1, 7]
+        doc["future_top_level"] = {"anything": [1, 2, 3]}
+        doc["protos"][0]["future_proto_field"] = "ignored"
+        doc["protos"][0]["buffers"][0]["future_buffer_field"] = 1
+        doc["tensors"]["future_column"] = [None] * len(doc["tensors"]["names"])
+        doc["producer"]["future_tool"] = "x"
+
+    name = "mxfp8_1x32"
+    path = _rewrite(golden(name), tmp_path / "v1_7.safetensors", edit)
+    rec = record(name)
+    with ts.open(path) as ckpt:
+        loaded = ckpt.load_tensors(verify=True)
+    for tname, want in rec["tensors"].items():
+        t = loaded[tname]
+        if want["quantizer"] is not None:
+            assert digest(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
+
+
+def test_golden_copy_reads_the_same(tmp_path):
+    """A golden file moved elsewhere (another name, another directory) reads the same."""
+    dst = tmp_path / "sub" / "renamed.safetensors"
+    dst.parent.mkdir()
+    shutil.copy(golden("nvfp4_1d"), dst)
+    rec = record("nvfp4_1d")
+    loaded = ts.open(dst).load_tensors(verify=True)
+    for tname, want in rec["tensors"].items():
+        assert digest(loaded[tname].dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
+
+
+def test_verify_catches_a_flipped_byte(tmp_path):
+    """verify really reads the checksums: one flipped bit in a buffer of a golden copy fails it."""
+    src = golden("nvfp4_1d")
+    data = bytearray(src.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = record("nvfp4_1d")["tensors"]["layers.0.weight"]["buffers"]["_rowwise_data"]["key"]
+    start = 8 + n + header[key]["data_offsets"][0]
+    data[start + 5] ^= 0x10
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ts.ChecksumError, match="_rowwise_data"):
+        ts.verify(bad)

@@ -1,0 +1,143 @@
+"""te_serial.from_te / to_te against TE's real Python classes (TE wheel + tests/te_shim.py on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_serial as ts
+import te_shim
+from conftest import make_input, same_bits, same_values
+
+te = te_shim.install()
+if te is None:  # only where the test extra (transformer-engine wheel) is not installed
+    pytest.skip("transformer-engine wheel not installed", allow_module_level=True)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+USAGES = [(True, False), (False, True), (True, True)]
+CASES = [
+    (lambda r, c: ts.Float8CurrentScalingQuantizer(E4M3, rowwise=r, columnwise=c, force_pow_2_scales=True), (3, 5, 64)),
+    (lambda r, c: ts.Float8Quantizer(0.5, 7.0, E5M2, rowwise=r, columnwise=c), (37, 53)),
+    (lambda r, c: ts.MXFP8Quantizer(E4M3, rowwise=r, columnwise=c), (2, 32, 64)),
+    (lambda r, c: ts.MXFP8Quantizer(E5M2, rowwise=r, columnwise=c, with_2d_quantization=True), (96, 64)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=1), (200, 300)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
+]
+PARAMS = [pytest.param(make, shape, usage, id=f"{make(*usage).kind}{i}-{usage}")
+          for i, (make, shape) in enumerate(CASES) for usage in USAGES]
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and a.quantizer == b.quantizer
+    assert list(a.buffers()) == list(b.buffers())
+    for n, buf in b.buffers().items():
+        assert same_bits(getattr(a, n), buf), n
+
+
+@pytest.mark.parametrize("make,shape,usage", PARAMS)
+def test_round_trip_through_te_classes_is_byte_identical(make, shape, usage):
+    ours = make(*usage)(make_input("outliers", shape, torch.bfloat16, 3))
+    theirs = ts.to_te(ours)
+    assert type(theirs).__module__.startswith("transformer_engine.")
+    assert ts.is_te_tensor(theirs) and not ts.is_te_tensor(ours)
+    assert tuple(theirs.shape) == tuple(shape) and theirs.dtype == torch.bfloat16
+    for n, b in te_shim.te_buffers(theirs).items():
+        assert b is getattr(ours, n)  # shares the bytes
+    back = ts.from_te(theirs)
+    _assert_same(back, ours)
+    fields = te_shim.te_quantizer_fields(theirs._quantizer)
+    assert (fields["rowwise_usage"], fields["columnwise_usage"]) == usage
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_te_float8_dequantize_equals_ours_after_round_trip(fp8):
+    x = make_input("specials", (48, 80), torch.bfloat16)
+    ours = ts.Float8CurrentScalingQuantizer(fp8)(x)
+    theirs = ts.to_te(ours)
+    assert same_values(theirs.dequantize(dtype=torch.float32), ours.dequantize(torch.float32))
+
+
+def test_swizzled_scales_are_unswizzled():
+    for q, shape in ((ts.MXFP8Quantizer(), (128, 256)), (ts.NVFP4Quantizer(), (128, 256))):
+        ours = q(torch.randn(shape))
+        b = ours.buffers()
+        sw = {n: (ts.swizzle_scales(v, columnwise=(n == "_columnwise_scale_inv" and q.kind == "mxfp8"))
+                  if "scale_inv" in n else v) for n, v in b.items()}
+        if q.kind == "mxfp8":
+            theirs = te_shim.make_te_mxfp8(sw["_rowwise_data"], sw["_rowwise_scale_inv"], sw["_columnwise_data"],
+                                           sw["_columnwise_scale_inv"], E4M3, shape, torch.float32,
+                                           with_gemm_swizzled_scales=True)
+        else:
+            theirs = te_shim.make_te_nvfp4(*(sw[k] for k in ts.NVFP4TensorStorage.BUFFERS), shape, torch.float32,
+                                           with_gemm_swizzled_scales=True)
+        assert not torch.equal(sw["_rowwise_scale_inv"], b["_rowwise_scale_inv"])
+        _assert_same(ts.from_te(theirs), ours)
+
+
+def test_uninitialized_scale_padding_is_zeroed_in_a_copy():
+    ours = ts.MXFP8Quantizer(columnwise=False)(torch.randn(64, 64))
+    dirty = ours._rowwise_scale_inv.clone()
+    dirty[64:] = 0xAB
+    dirty[:, 2:] = 0xCD
+    theirs = te_shim.make_te_mxfp8(ours._rowwise_data, dirty, None, None, E4M3, (64, 64), torch.float32)
+    back = ts.from_te(theirs)
+    _assert_same(back, ours)
+    assert dirty[64:, :2].eq(0xAB).all() and dirty[:, 2:].eq(0xCD).all()  # TE's tensor is left as it was
+    blk = ts.Float8BlockQuantizer(block_scaling_dim=1, columnwise=False)(torch.randn(10, 300))
+    s = blk._rowwise_scale_inv.clone()
+    s[:, 10:] = float("nan")  # 1-D scales are [ceil(K/128), roundup(M, 4)]: padding columns
+    theirs = te_shim.make_te_blockwise(blk._rowwise_data, s, None, None, E4M3, (10, 300), torch.float32,
+                                       is_2D_scaled=False)
+    _assert_same(ts.from_te(theirs), blk)
+
+
+def test_hopper_transpose_only_and_blackwell_data_only_float8():
+    x = torch.randn(24, 40)
+    both = ts.Float8CurrentScalingQuantizer()(x)
+    col_only = te_shim.make_te_float8(None, both._scale_inv, E4M3, (24, 40), torch.float32,
+                                      transpose_u8=both._transpose)
+    got = ts.from_te(col_only)
+    assert got.quantizer.rowwise is False and got.quantizer.columnwise is True
+    assert same_bits(got._transpose, both._transpose) and got._data is None
+    assert torch.equal(got.dequantize(torch.float32), both.dequantize(torch.float32))
+    q = te.Float8CurrentScalingQuantizer(te_shim.to_te_dtype(E4M3), torch.device("cpu"), rowwise=True, columnwise=True)
+    blackwell = te_shim.make_te_float8(both._data, both._scale_inv, E4M3, (24, 40), torch.float32, quantizer=q)
+    got = ts.from_te(blackwell)
+    _assert_same(got, both)  # the transpose is derived from _data, exactly
+
+
+def test_pickled_float8_without_quantizer_keeps_its_bytes():
+    ours = ts.Float8CurrentScalingQuantizer(E5M2, columnwise=False)(torch.randn(8, 16))
+    theirs = te_shim.make_te_float8(ours._data, ours._scale_inv, E5M2, (8, 16), torch.bfloat16, quantizer=False)
+    got = ts.from_te(theirs)
+    assert same_bits(got._data, ours._data) and got.quantizer.fp8_dtype == E5M2
+
+
+def test_te_storage_objects_convert_too():
+    ours = ts.Float8BlockQuantizer()(torch.randn(130, 260))
+    b = ours.buffers()
+    storage = te.Float8BlockwiseQTensorStorage(b["_rowwise_data"], b["_rowwise_scale_inv"], b["_columnwise_data"],
+                                               b["_columnwise_scale_inv"], te_shim.to_te_dtype(E4M3), None, True,
+                                               fake_dtype=torch.float32)
+    assert ts.is_te_tensor(storage) and not isinstance(storage, torch.Tensor)
+    _assert_same(ts.from_te(storage), ours)
+
+
+def test_save_accepts_te_tensors_and_load_can_return_them(tmp_path):
+    sd = {f"w{i}": ts.to_te(make(True, True)(make_input("random", shape, torch.bfloat16, i)))
+          for i, (make, shape) in enumerate(CASES)}
+    sd["bias"] = torch.randn(8)
+    path = tmp_path / "te.safetensors"
+    ts.save_quantized(sd, path)
+    plain = ts.load_quantized(path)
+    as_te = ts.load_quantized(path, as_te=True)
+    for k, t in sd.items():
+        if k == "bias":
+            assert torch.equal(as_te[k], t)
+            continue
+        assert type(as_te[k]) is type(t)
+        _assert_same(plain[k], ts.from_te(t))
+        for n, b in te_shim.te_buffers(t).items():
+            assert same_bits(te_shim.te_buffers(as_te[k])[n], b), (k, n)
