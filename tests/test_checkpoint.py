@@ -270,3 +270,37 @@ def test_load_straight_to_cuda(tmp_path):
     for k in sd:
         assert out[k].device.type == "cuda"
         assert_same_tensor(out[k].cpu(), sd[k], k)
+
+
+def test_streaming_writer_flushes_shards_and_commits_at_close(tmp_path):
+    from te_serial.checkpoint import CheckpointWriter
+    path = tmp_path / "s"
+    ts.save_quantized({"old": torch.ones(3)}, path)
+    tensors = {f"w{i}": ts.MXFP8Quantizer(columnwise=False)(torch.randn(64, 64)) for i in range(5)}
+    with CheckpointWriter(path, max_shard_size=8000, dedupe_across_shards=False) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+        # shards already on disk under temporary names, yet the old checkpoint is what loads
+        assert len(list(path.glob(".te_serial-tmp-*"))) >= 2
+        assert list(ts.load_quantized(path)) == ["old"]
+        with pytest.raises(ts.UnsupportedValueError, match="added twice"):
+            w.add("w0", tensors["w0"])
+    out = ts.load_quantized(path, verify=True)
+    assert list(out) == list(tensors)
+    for k in tensors:
+        assert_same_tensor(out[k], tensors[k], k)
+    assert not list(path.glob(".te_serial-tmp-*")) and len(list(path.glob("*.safetensors"))) == len(w.manifest.files)
+
+
+def test_streaming_writer_aborts_on_error_and_keeps_the_old_checkpoint(tmp_path):
+    from te_serial.checkpoint import CheckpointWriter
+    path = tmp_path / "s"
+    ts.save_quantized({"old": torch.arange(4)}, path)
+    before = sorted(p.name for p in path.iterdir())
+    with pytest.raises(RuntimeError, match="boom"):
+        with CheckpointWriter(path, max_shard_size=100) as w:
+            w.add("a", torch.randn(100))
+            w.add("b", torch.randn(100))
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert torch.equal(ts.load_quantized(path)["old"], torch.arange(4))

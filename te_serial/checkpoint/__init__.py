@@ -2,7 +2,8 @@
 
 from .manifest import FORMAT, MANIFEST_NAME, VERSION, BufferEntry, Manifest, TensorEntry
 from .reader import Checkpoint, load_quantized, open_checkpoint, read_protos, verify
-from .writer import parse_size, save_quantized
+from .writer import CheckpointWriter, parse_size, save_quantized
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "BufferEntry", "Manifest", "TensorEntry", "Checkpoint",
-           "load_quantized", "open_checkpoint", "read_protos", "verify", "parse_size", "save_quantized"]
+           "load_quantized", "open_checkpoint", "read_protos", "verify", "parse_size", "save_quantized",
+           "CheckpointWriter"]

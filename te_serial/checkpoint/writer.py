@@ -76,6 +76,7 @@ class _Collector:
         self.blobs: dict[str, torch.Tensor] = {}       # safetensors key → CPU tensor (stored dtype)
         self._by_identity: dict[tuple, str] = {}
         self._storages: set[int] = set()
+        self._keys: set[str] = set()
 
     def add(self, name: str, t: Any) -> None:
         if is_te_tensor(t):  # TE's own classes: converted on the way in, same bytes
@@ -102,8 +103,15 @@ class _Collector:
         entries = {bname: self._buffer(buffer_key(name, bname), b, name) for bname, b in stored.items()}
         self.entries[name] = TensorEntry(proto, entries)
 
+    def flushed(self, keep_identities: bool) -> None:
+        """The pending blobs are on disk: drop them (and, unless kept, what ties to them)."""
+        self.blobs = {}
+        self._storages = set()
+        if not keep_identities:
+            self._by_identity = {}
+
     def _buffer(self, key: str, b: torch.Tensor, tensor: str) -> BufferEntry:
-        if key in self.blobs:
+        if key in self._keys:
             raise UnsupportedValueError(f"buffer key {key!r} of tensor {tensor!r} is taken by another tensor")
         cpu = b.to("cpu") if b.device.type != "cpu" else b
         if cpu.numel():
@@ -113,6 +121,7 @@ class _Collector:
                 cpu = cpu.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
             self._storages.add(cpu.untyped_storage().data_ptr())
         self.blobs[key] = cpu
+        self._keys.add(key)
         return BufferEntry(SELF_FILE, key, tuple(cpu.shape), cpu.dtype,
                            checksum(cpu) if self.checksums else None)
 
@@ -124,19 +133,6 @@ def _flat_tree(tree: Any) -> Any:
     return tree
 
 
-def _plan_shards(blobs: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, t in blobs.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += n
-    return shards
-
-
 def _fsync_path(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -145,13 +141,16 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _write_safetensors(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}")
+def _write_safetensors(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                       atomic: bool = True) -> int:
+    """Write and fsync one safetensors file; with ``atomic``, under a temporary name renamed at the end."""
+    tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}") if atomic else final
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         _fsync_path(tmp)
         size = tmp.stat().st_size
-        os.replace(tmp, final)
+        if atomic:
+            os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -167,6 +166,132 @@ def _existing_shards(root: Path) -> set[str]:
         return set()
 
 
+class CheckpointWriter:
+    """Writes a checkpoint tensor by tensor; a directory checkpoint flushes each shard as it fills.
+
+    Used as a context manager: leaving the block normally commits (:meth:`close`), an exception
+    aborts (temporary files removed, the previous checkpoint untouched). Tied tensors (same
+    bytes, same prototype) are stored once; with ``dedupe_across_shards=False`` only within a
+    shard, for callers that free tensors after adding them (storage addresses get reused).
+    A single ``.safetensors`` file has its header first, so it is written at close.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                 metadata: Mapping[str, str] | None = None, checksums: bool = True,
+                 dedupe_across_shards: bool = True) -> None:
+        self.path = Path(path)
+        self.metadata = dict(metadata or {})
+        bad = [k for k, v in self.metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
+        if bad:
+            raise UnsupportedValueError(f"metadata must map str to str; bad keys {bad[:5]}", field="metadata")
+        self.limit = parse_size(max_shard_size)
+        self.single = self.path.suffix == ".safetensors"
+        self.dedupe_across_shards = dedupe_across_shards
+        self.tree: Any = None
+        self._collector = _Collector(checksums)
+        self._pending_bytes = 0
+        self._save_id = secrets.token_hex(4)
+        self._shards: list[tuple[Path, int, list[str]]] = []  # (temporary path, size, keys)
+        self._closed = False
+        if self.single:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            if self.path.exists() and not self.path.is_dir():
+                raise CheckpointError("checkpoint path exists and is not a directory", file=str(self.path))
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: Any) -> None:
+        """Add one tensor (plain, te-serial quantized, or TE's) under its flat name."""
+        if name in self._collector.entries:
+            raise UnsupportedValueError(f"tensor {name!r} added twice")
+        before = set(self._collector.blobs)
+        self._collector.add(name, tensor)
+        self._pending_bytes += sum(self._collector.blobs[k].numel() * self._collector.blobs[k].element_size()
+                                   for k in set(self._collector.blobs) - before)
+        if not self.single and self._pending_bytes >= self.limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        blobs = self._collector.blobs
+        if not blobs:
+            return
+        keys = list(blobs)
+        tmp = self.path / f"{TMP_PREFIX}{self._save_id}-{len(self._shards):05d}.safetensors"
+        size = _write_safetensors(tmp, blobs, {"format": "pt"}, atomic=False)
+        self._shards.append((tmp, size, keys))
+        self._collector.flushed(keep_identities=self.dedupe_across_shards)
+        self._pending_bytes = 0
+
+    def close(self) -> Manifest:
+        """Write what is pending, then commit: shards renamed to final names, manifest last."""
+        if self._closed:
+            raise CheckpointError("checkpoint writer already closed", file=str(self.path))
+        self._closed = True
+        c = self._collector
+        if self.single:
+            manifest = Manifest.from_entries(c.entries, {}, tree=self.tree, aliases=c.aliases,
+                                             metadata=self.metadata, producer=_producer())
+            # One metadata key only: safetensors writes metadata in hash order, and the same
+            # tensors must always give the same bytes.
+            header = {HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")}
+            _write_safetensors(self.path, c.blobs, header)
+            _fsync_path(self.path.parent, directory=True)
+            self.manifest = manifest
+            return manifest
+        try:
+            self._flush()
+            old_shards = _existing_shards(self.path)
+            n = len(self._shards)
+            files: dict[str, int] = {}
+            key_file: dict[str, str] = {}
+            for i, (tmp, size, keys) in enumerate(self._shards):
+                name = f"model-{self._save_id}-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(tmp, self.path / name)  # still invisible: no manifest names it yet
+                files[name] = size
+                key_file.update({k: name for k in keys})
+            entries = {nm: TensorEntry(e.proto, {b: BufferEntry(key_file[be.key], be.key, be.shape, be.dtype,
+                                                                 be.checksum) for b, be in e.buffers.items()})
+                       for nm, e in c.entries.items()}
+            manifest = Manifest.from_entries(entries, files, tree=self.tree, aliases=c.aliases,
+                                             metadata=self.metadata, producer=_producer())
+            tmp = self.path / f"{TMP_PREFIX}{self._save_id}-{MANIFEST_NAME}"
+            tmp.write_bytes(manifest.to_bytes())
+            _fsync_path(tmp)
+            os.replace(tmp, self.path / MANIFEST_NAME)  # the commit point
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_path(self.path, directory=True)
+        for stale in self.path.iterdir():  # the previous save's shards and leftovers of killed saves
+            if (stale.name in old_shards and stale.name not in files) or stale.name.startswith(TMP_PREFIX):
+                stale.unlink(missing_ok=True)
+        self.manifest = manifest
+        return manifest
+
+    def abort(self) -> None:
+        """Drop everything written by this writer; the previous checkpoint stays as it was."""
+        self._closed = True
+        if self.single:
+            return
+        committed = _existing_shards(self.path)
+        for p in self.path.glob(f"model-{self._save_id}-*.safetensors"):
+            if p.name not in committed:
+                p.unlink(missing_ok=True)
+        for p in self.path.glob(f"{TMP_PREFIX}{self._save_id}-*"):
+            p.unlink(missing_ok=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._closed:
+            return
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                    metadata: Mapping[str, str] | None = None, checksums: bool = True) -> Manifest:
     """Save a state dict (or ``nn.Module``) of plain and quantized tensors, without pickle.
@@ -176,55 +301,10 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
     plus ``te_serial.msgpack``. Plain Python values in the state dict go into the manifest.
     Returns the manifest written.
     """
-    path = Path(path)
-    metadata = dict(metadata or {})
-    bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
-    if bad:
-        raise UnsupportedValueError(f"metadata must map str to str; bad keys {bad[:5]}", field="metadata")
-    limit = parse_size(max_shard_size)
     tree, tensors = flatten_tree(obj)
-    collector = _Collector(checksums)
-    for name, t in tensors.items():
-        collector.add(name, t)
-
-    if path.suffix == ".safetensors":
-        manifest = Manifest.from_entries(collector.entries, {}, tree=_flat_tree(tree), aliases=collector.aliases,
-                                         metadata=metadata, producer=_producer())
-        # One metadata key only: safetensors writes metadata in hash order, and the same
-        # tensors must always give the same bytes.
-        header = {HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_safetensors(path, collector.blobs, header)
-        _fsync_path(path.parent, directory=True)
-        return manifest
-
-    if path.exists() and not path.is_dir():
-        raise CheckpointError("checkpoint path exists and is not a directory", file=str(path))
-    path.mkdir(parents=True, exist_ok=True)
-    old_shards = _existing_shards(path)
-    save_id = secrets.token_hex(4)
-    plan = _plan_shards(collector.blobs, limit)
-    files: dict[str, int] = {}
-    key_file: dict[str, str] = {}
-    for i, keys in enumerate(plan):
-        name = f"model-{save_id}-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        files[name] = _write_safetensors(path / name, {k: collector.blobs[k] for k in keys}, {"format": "pt"})
-        key_file.update({k: name for k in keys})
-    entries = {n: TensorEntry(e.proto, {b: BufferEntry(key_file[be.key], be.key, be.shape, be.dtype, be.checksum)
-                                        for b, be in e.buffers.items()})
-               for n, e in collector.entries.items()}
-    manifest = Manifest.from_entries(entries, files, tree=_flat_tree(tree), aliases=collector.aliases,
-                                     metadata=metadata, producer=_producer())
-    tmp = path / f"{TMP_PREFIX}{save_id}-{MANIFEST_NAME}"
-    try:
-        tmp.write_bytes(manifest.to_bytes())
-        _fsync_path(tmp)
-        os.replace(tmp, path / MANIFEST_NAME)  # the commit point
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(path, directory=True)
-    for stale in path.iterdir():  # the previous save's shards and leftovers of killed saves
-        if (stale.name in old_shards and stale.name not in files) or stale.name.startswith(TMP_PREFIX):
-            stale.unlink(missing_ok=True)
-    return manifest
+    with CheckpointWriter(path, max_shard_size=max_shard_size, metadata=metadata,
+                          checksums=checksums) as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
+        writer.tree = _flat_tree(tree)
+    return writer.manifest

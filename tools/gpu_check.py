@@ -1,0 +1,127 @@
+"""One short device check for a lent GPU: run `python tools/gpu_check.py` (finishes in minutes).
+
+1. te-serial's quantizers on CUDA give the CPU bytes, for every recipe and usage.
+2. save_quantized → load_quantized(device="cuda") round trip (pinned, non-blocking staging).
+3. torch.compile(fullgraph=True) of TensorProto.create_tensor + dequantize on CUDA (inductor).
+4. If Transformer Engine with its CUDA extension is importable: TE's own kernels quantize each
+   recipe; te-serial saves TE's tensors, loads them back as TE tensors; bytes must match and
+   TE's GEMM on the loaded weight must equal the GEMM on the original.
+Prints one line per check and exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import te_serial as ts  # noqa: E402
+from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
+
+FAILED: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"[{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def te_section(tmp: Path) -> None:
+    try:
+        import transformer_engine.pytorch as te  # noqa: F401
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+        from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
+        import transformer_engine_torch as tex
+    except Exception as e:  # noqa: BLE001
+        print(f"[skip] Transformer Engine not importable here ({type(e).__name__}: {e})")
+        return
+    cap = torch.cuda.get_device_capability()
+    quantizers = {"fp8_current": lambda: Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, torch.device("cuda"))}
+    if cap[0] >= 10:
+        quantizers["mxfp8"] = lambda: MXFP8Quantizer(tex.DType.kFloat8E4M3)
+        quantizers["nvfp4_2d"] = lambda: NVFP4Quantizer(with_2d_quantization=True)
+    if cap >= (9, 0):
+        quantizers["fp8_block"] = lambda: Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True,
+                                                               block_scaling_dim=2)
+    x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
+    inp = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    for name, make in quantizers.items():
+        tq = make()
+        w = tq(x)
+        ours = ts.from_te(w)
+        mine = recipe_quantizer(name).quantize(x)
+        exact = all(same(getattr(ours, n), b) for n, b in mine.buffers().items() if getattr(ours, n, None) is not None)
+        check(f"TE kernel == te-serial numerics [{name}]", exact)
+        path = tmp / f"te_{name}.safetensors"
+        ts.save_quantized({"w": w}, path)
+        back = ts.load_quantized(path, device="cuda", as_te=True)["w"]
+        check(f"TE save/load bytes [{name}]", all(same(getattr(back, n), b) for n, b in ours.buffers().items()))
+        try:
+            y0 = torch.nn.functional.linear(inp, w)
+            y1 = torch.nn.functional.linear(inp, back)
+            check(f"TE GEMM on loaded weight [{name}]", torch.equal(y0, y1))
+        except Exception as e:  # noqa: BLE001
+            check(f"TE GEMM on loaded weight [{name}]", False, f"{type(e).__name__}: {e}")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "te-serial", ts.__version__)
+    t0 = time.time()
+    x = torch.randn(512, 1024, dtype=torch.bfloat16)
+    state = {}
+    for name in RECIPES:
+        for usage in ((True, False), (False, True), (True, True)):
+            q = recipe_quantizer(name, rowwise=usage[0], columnwise=usage[1])
+            cpu, gpu = q(x), q(x.cuda())
+            check(f"cuda quantize == cpu [{name} {usage}]",
+                  all(same(getattr(gpu, n), b) for n, b in cpu.buffers().items()))
+            state[f"{name}.{int(usage[0])}{int(usage[1])}"] = gpu
+    state["bias"] = torch.randn(1024, device="cuda")
+    state["big"] = torch.randn(48 << 20 >> 2, device="cuda")  # spans several staging chunks
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        ts.save_quantized(state, tmp / "ck")
+        t1 = time.time()
+        back = ts.load_quantized(tmp / "ck", device="cuda", verify=True)
+        torch.cuda.synchronize()
+        check("load_quantized(device='cuda')", all(v.device.type == "cuda" for v in back.values()),
+              f"{(time.time() - t1) * 1e3:.0f} ms")
+        ok = all(same(getattr(back[k], n), b) for k, t in state.items() if isinstance(t, ts.QuantizedTensor)
+                 for n, b in t.buffers().items())
+        check("cuda save/load bytes", ok and same(back["big"], state["big"]))
+        proto = ts.to_tensor_proto(state["mxfp8.11"])
+        names = proto.inner_names()
+
+        def use(*bufs):
+            t = proto.create_tensor(device="cuda")
+            for n, b in zip(names, bufs):
+                getattr(t, n).copy_(b)
+            return t.dequantize(torch.float32)
+
+        torch._dynamo.reset()
+        got = torch.compile(use, backend="inductor", fullgraph=True)(*state["mxfp8.11"].buffers().values())
+        check("torch.compile(fullgraph) create+dequantize on cuda",
+              torch.equal(got, state["mxfp8.11"].dequantize(torch.float32)))
+        te_section(tmp)
+    print(f"{len(FAILED)} failed, {time.time() - t0:.0f} s")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
