@@ -18,6 +18,7 @@ __version__ = "0.1.0"  # before .checkpoint, which records it as the producer ve
 from .checkpoint import Checkpoint, load_quantized, read_protos, save_quantized, verify  # noqa: E402
 from .checkpoint import open_checkpoint as open  # noqa: E402,A001
 from .te_interop import from_te, is_te_tensor, to_te  # noqa: E402
+from .model import LoadResult, Plan, load_into, materialize, plan, quantize_model  # noqa: E402
 
 __all__ = [
     "TeSerialError", "FormatError", "ShapeError", "BufferMismatchError", "UnknownQuantizerError",
@@ -31,5 +32,6 @@ __all__ = [
     "unswizzle_scales", "TensorProto", "to_tensor_proto", "__version__",
     "ManifestError", "VersionError", "CheckpointFileError", "TensorMismatchError", "ChecksumError",
     "UnsupportedValueError", "Checkpoint", "save_quantized", "load_quantized", "open", "read_protos",
-    "verify", "from_te", "to_te", "is_te_tensor",
+    "verify", "from_te", "to_te", "is_te_tensor", "load_into", "quantize_model", "materialize", "plan",
+    "Plan", "LoadResult",
 ]

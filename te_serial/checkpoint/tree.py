@@ -35,7 +35,7 @@ def _is_tensor(value: Any) -> bool:
 def flatten_tree(obj: Any) -> tuple[Any, dict[str, Any]]:
     """(tree with TensorRef leaves, {flat name: tensor}) for a state dict or ``nn.Module``."""
     if isinstance(obj, torch.nn.Module):
-        obj = obj.state_dict()
+        obj = obj.state_dict(keep_vars=True)  # Parameters themselves: their requires_grad is saved
     if not isinstance(obj, dict):
         raise UnsupportedValueError(f"save_quantized needs a state dict or nn.Module, got {type(obj).__name__}")
     tensors: dict[str, Any] = {}
