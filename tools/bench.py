@@ -2,6 +2,7 @@
 
     python tools/bench.py quantize     # GB/s of BF16 input quantized per recipe vs a plain FP8 cast
     python tools/bench.py ckpt         # save / load of ~1 GiB vs safetensors and torch.load; 10k-tensor open
+    python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint
 
 Timings are medians of several runs in one process; nothing here is asserted in tests.
 """
@@ -181,6 +182,81 @@ def bench_ckpt(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+_MODEL_CHILD = r"""
+import sys, time
+try:  # forget any high-water mark inherited through fork: count this process only
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+import torch
+from torch import nn
+sys.path.insert(0, sys.argv[1])
+import te_serial as ts
+mode, path, layers, d = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+def make(device):
+    return nn.Sequential(*[nn.Linear(d, d, bias=False, device=device, dtype=torch.bfloat16) for _ in range(layers)])
+t0 = time.perf_counter()
+if mode == "te_serial":
+    with torch.device("meta"):
+        model = make("meta")
+    ts.quantize_model(model, "mxfp8", columnwise=False)
+    ts.load_into(model, path)
+else:  # the usual path: build in BF16, load the BF16 state dict, quantize
+    from safetensors.torch import load_file
+    model = make("meta").to_empty(device="cpu")
+    import glob
+    for f in sorted(glob.glob(path + "/*.safetensors")):
+        model.load_state_dict(load_file(f), strict=False)
+    ts.quantize_model(model, "mxfp8", columnwise=False)
+seconds = time.perf_counter() - t0
+for p in model.parameters():  # every byte resident: what RSS counts is really there
+    for b in p.buffers().values():
+        b.view(-1).max()
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(int(hwm) * 1024, seconds)
+"""
+
+
+def bench_model(args) -> None:
+    import subprocess
+    from safetensors.torch import save_file
+    d = 4096
+    layer_q = ts.TensorProto((d, d), torch.bfloat16, recipe_quantizer("mxfp8", columnwise=False)).nbytes
+    layers = max(1, int(args.gib * (1 << 30)) // layer_q)
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-", dir=args.dir))
+    repo = str(Path(__file__).resolve().parents[1])
+    try:
+        g = torch.Generator().manual_seed(0)
+        (work / "bf16").mkdir()
+        q = recipe_quantizer("mxfp8", columnwise=False)
+        with ts.checkpoint.CheckpointWriter(work / "mxfp8", dedupe_across_shards=False) as writer:
+            for start in range(0, layers, 16):
+                shard = {}
+                for i in range(start, min(layers, start + 16)):
+                    w = torch.randn(d, d, generator=g).to(torch.bfloat16)
+                    shard[f"{i}.weight"] = w
+                    writer.add(f"{i}.weight", q(w))
+                save_file(shard, str(work / "bf16" / f"{start:05d}.safetensors"))
+        qbytes = layers * layer_q
+        print(f"model: {layers} x Linear({d}, {d}) bf16 = {layers * d * d * 2 / 2**30:.2f} GiB; "
+              f"MXFP8 checkpoint {qbytes / 2**30:.2f} GiB")
+        results = {}
+        for mode, src in (("te_serial", work / "mxfp8"), ("bf16 + load_state_dict + quantize", work / "bf16")):
+            out = subprocess.run([sys.executable, "-c", _MODEL_CHILD, repo, mode if mode == "te_serial" else "usual",
+                                  str(src), str(layers), str(d)], capture_output=True, text=True, check=True)
+            rss, sec = out.stdout.split()
+            results[mode] = (int(rss), float(sec))
+        budget = qbytes * 1.1 + 300e6
+        ours = results["te_serial"][0]
+        for mode, (rss, sec) in results.items():
+            print(f"  {mode:<36} peak RSS {rss / 2**30:6.2f} GiB   {sec:6.1f} s")
+        print(f"  te-serial peak RSS / budget (quantized x 1.1 + 300 MB): {ours / budget:.2f} (target <= 1.0)")
+        print(f"  usual path peak RSS / te-serial peak RSS: {results['bf16 + load_state_dict + quantize'][0] / ours:.2f}x")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="which", required=True)
@@ -191,8 +267,11 @@ def main(argv=None) -> int:
     c.add_argument("--gib", type=float, default=1.0, help="size of the mixed state dict")
     c.add_argument("--repeat", type=int, default=5)
     c.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    m = sub.add_parser("model", help="peak RSS of meta-model materialization vs the BF16 path")
+    m.add_argument("--gib", type=float, default=2.0, help="size of the MXFP8 checkpoint")
+    m.add_argument("--dir", default=None)
     args = parser.parse_args(argv)
-    {"quantize": bench_quantize, "ckpt": bench_ckpt}[args.which](args)
+    {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model}[args.which](args)
     return 0
 
 
