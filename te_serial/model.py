@@ -17,7 +17,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .errors import CheckpointError, FormatError, ShapeError
+from .errors import CheckpointError, ShapeError
 from .formats.base import QuantizedTensorStorage, Quantizer
 from .proto import TensorProto, to_tensor_proto
 from .recipes import recipe_quantizer

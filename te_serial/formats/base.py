@@ -85,6 +85,21 @@ def flatten_2d(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
+def require_divisible(shape: tuple[int, ...], block: int, fmt: str) -> None:
+    """The MXFP8 / NVFP4 rule: both TE dims (M, K) divisible by the block size."""
+    m, k = flatten_2d(shape)
+    if m % block or k % block:
+        raise ShapeError(f"{fmt} needs both dims divisible by {block} (M = prod(shape[:-1]), "
+                         f"K = shape[-1]); got shape {tuple(shape)} with M={m}, K={k}")
+
+
+def require_fp8_dtype(q: "Quantizer") -> None:
+    """Refuse a quantizer whose ``fp8_dtype`` is not one of TE's two FP8 formats."""
+    from ..numerics import FP8_DTYPES
+    if q.fp8_dtype not in FP8_DTYPES:
+        raise FormatError(f"{type(q).__name__}: fp8_dtype must be one of {FP8_DTYPES}, got {q.fp8_dtype}")
+
+
 def _encode_field(value: Any) -> Any:
     return dtype_name(value) if isinstance(value, torch.dtype) else value
 

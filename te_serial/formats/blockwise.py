@@ -16,7 +16,8 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d
+from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
+                   require_fp8_dtype)
 
 BLOCK = 128
 
@@ -66,8 +67,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fp8_dtype not in nx.FP8_DTYPES:
-            raise FormatError(f"Float8BlockQuantizer: fp8_dtype must be one of {nx.FP8_DTYPES}, got {self.fp8_dtype}")
+        require_fp8_dtype(self)
         if self.block_scaling_dim not in (1, 2):
             raise FormatError(f"Float8BlockQuantizer: block_scaling_dim must be 1 or 2, got {self.block_scaling_dim}")
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))

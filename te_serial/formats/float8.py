@@ -15,7 +15,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer
+from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, require_fp8_dtype
 
 
 class Float8TensorStorage(QuantizedTensorStorage):
@@ -32,11 +32,6 @@ class _PerTensorFP8:
     storage_class: ClassVar[type] = Float8TensorStorage
     tensor_class: ClassVar[type] = Float8Tensor
     _dtype_fields: ClassVar[tuple[str, ...]] = ("fp8_dtype",)
-
-    def _check_dtype(self) -> None:
-        if self.fp8_dtype not in nx.FP8_DTYPES:
-            raise FormatError(f"{type(self).__name__}: fp8_dtype must be one of {nx.FP8_DTYPES}, "
-                              f"got {self.fp8_dtype}")
 
     def _buffer_specs(self, shape):
         specs = {}
@@ -86,7 +81,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_dtype()
+        require_fp8_dtype(self)
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
     def _scale(self, x2):
@@ -119,7 +114,7 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_dtype()
+        require_fp8_dtype(self)
         object.__setattr__(self, "scale", _as_fp32_value(self.scale))
         object.__setattr__(self, "amax", _as_fp32_value(self.amax))
 

@@ -15,8 +15,8 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from ..errors import FormatError, ShapeError
-from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d
+from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
+                   require_divisible, require_fp8_dtype)
 
 BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE (pytorch/constants.py)
 
@@ -43,15 +43,11 @@ class MXFP8Quantizer(Quantizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fp8_dtype not in nx.FP8_DTYPES:
-            raise FormatError(f"MXFP8Quantizer: fp8_dtype must be one of {nx.FP8_DTYPES}, got {self.fp8_dtype}")
+        require_fp8_dtype(self)
 
     def check_shape(self, shape):
         super().check_shape(shape)
-        m, k = flatten_2d(shape)
-        if m % BLOCK or k % BLOCK:
-            raise ShapeError(f"MXFP8 needs both dims divisible by {BLOCK} (M = prod(shape[:-1]), "
-                             f"K = shape[-1]); got shape {tuple(shape)} with M={m}, K={k}")
+        require_divisible(shape, BLOCK, "MXFP8")
 
     def _buffer_specs(self, shape):
         m, k = flatten_2d(shape)

@@ -17,7 +17,8 @@ import torch
 
 from .. import numerics as nx
 from ..errors import QuantizationError, ShapeError
-from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d
+from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
+                   require_divisible)
 
 BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)
 E4M3_MAX = 448.0
@@ -70,10 +71,7 @@ class NVFP4Quantizer(Quantizer):
 
     def check_shape(self, shape):
         super().check_shape(shape)
-        m, k = flatten_2d(shape)
-        if m % BLOCK or k % BLOCK:
-            raise ShapeError(f"NVFP4 needs both dims divisible by {BLOCK} (M = prod(shape[:-1]), "
-                             f"K = shape[-1]); got shape {tuple(shape)} with M={m}, K={k}")
+        require_divisible(shape, BLOCK, "NVFP4")
         if self.columnwise and len(shape) > 2 and shape[-2] % 2:
             raise ShapeError(f"NVFP4 columnwise data packs shape[-2] two per byte; "
                              f"got shape {tuple(shape)} with odd shape[-2]")
