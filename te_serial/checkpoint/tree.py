@@ -16,7 +16,8 @@ import torch
 from ..errors import ManifestError, UnsupportedValueError
 from ..formats.base import QuantizedTensorStorage
 
-TENSOR_EXT, TUPLE_EXT = 1, 2
+TENSOR_EXT, TUPLE_EXT, TE_EXTRA_STATE_EXT = 1, 2, 3
+EXTRA_STATE_SUFFIX = "_extra_state"
 MAX_DEPTH = 64
 
 
@@ -25,6 +26,23 @@ class TensorRef:
     """A tensor's place in the tree: its flat name in the checkpoint's tensor table."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class TEExtraState:
+    """A TE module's pickled ``_extra_state``, stored decoded (recipe as plain data, scales and
+    amax histories as ordinary tensors) and turned back into TE's bytes on load."""
+
+    state: Any
+
+
+def _is_pickled_extra_state(key: Any, value: Any) -> bool:
+    import io
+    if not (isinstance(key, str) and key.endswith(EXTRA_STATE_SUFFIX)):
+        return False
+    if isinstance(value, io.BytesIO):
+        return True
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel() > 0
 
 
 def _is_tensor(value: Any) -> bool:
@@ -44,6 +62,9 @@ def flatten_tree(obj: Any) -> tuple[Any, dict[str, Any]]:
         where = ".".join(map(str, path)) or "<root>"
         if len(path) > MAX_DEPTH:
             raise UnsupportedValueError(f"state dict nests deeper than {MAX_DEPTH} levels at {where!r}")
+        if path and _is_pickled_extra_state(path[-1], value):
+            from ..te_extra_state import decode_te_extra_state  # never unpickles
+            return TEExtraState(walk(decode_te_extra_state(value, where=where), path))
         if _is_tensor(value):
             if where in tensors:
                 raise UnsupportedValueError(f"two tensors flatten to the same name {where!r}")
@@ -77,6 +98,8 @@ def _default(value: Any) -> Any:
         return msgpack.ExtType(TENSOR_EXT, value.name.encode("utf-8"))
     if isinstance(value, tuple):
         return msgpack.ExtType(TUPLE_EXT, pack(list(value)))
+    if isinstance(value, TEExtraState):
+        return msgpack.ExtType(TE_EXTRA_STATE_EXT, pack(value.state))
     if isinstance(value, dict):  # OrderedDict and other dict subclasses under strict_types
         return dict(value)
     raise TypeError(f"cannot pack {type(value).__name__}")
@@ -97,6 +120,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return TensorRef(data.decode("utf-8"))
     if code == TUPLE_EXT:
         return tuple(unpack(data))
+    if code == TE_EXTRA_STATE_EXT:
+        return TEExtraState(unpack(data))
     raise ManifestError(f"unknown msgpack extension type {code} in manifest")
 
 
@@ -118,6 +143,8 @@ def tree_refs(tree: Any, depth: int = 0) -> list[str]:
         raise ManifestError(f"manifest tree nests deeper than {MAX_DEPTH} levels")
     if isinstance(tree, TensorRef):
         return [tree.name]
+    if isinstance(tree, TEExtraState):
+        return tree_refs(tree.state, depth + 1)
     if isinstance(tree, dict):
         return [n for v in tree.values() for n in tree_refs(v, depth + 1)]
     if isinstance(tree, (list, tuple)):
@@ -129,6 +156,8 @@ def rebuild_tree(tree: Any, tensors: dict[str, Any]) -> Any:
     """Replace TensorRef leaves by tensors (missing names are dropped from dicts)."""
     if isinstance(tree, TensorRef):
         return tensors[tree.name]
+    if isinstance(tree, TEExtraState):
+        return _te_extra_state_value(rebuild_tree(tree.state, tensors))
     if isinstance(tree, dict):
         return {k: rebuild_tree(v, tensors) for k, v in tree.items()
                 if not (isinstance(v, TensorRef) and v.name not in tensors)}
@@ -137,3 +166,16 @@ def rebuild_tree(tree: Any, tensors: dict[str, Any]) -> Any:
     if isinstance(tree, tuple):
         return tuple(rebuild_tree(v, tensors) for v in tree)
     return tree
+
+
+def _te_extra_state_value(state: Any) -> Any:
+    """TE's own ``_extra_state`` bytes for a decoded state (TE's recipe classes are needed to
+    write them); without TE, the decoded dict itself, with a warning."""
+    from ..errors import TeSerialError
+    from ..te_extra_state import encode_te_extra_state
+    try:
+        return encode_te_extra_state(state)
+    except (TeSerialError, ImportError) as e:
+        import warnings
+        warnings.warn(f"te-serial: TE extra state returned decoded, not as TE's bytes: {e}", stacklevel=3)
+        return state
