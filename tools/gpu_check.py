@@ -75,6 +75,45 @@ def te_section(tmp: Path) -> None:
             check(f"TE GEMM on loaded weight [{name}]", torch.equal(y0, y1))
         except Exception as e:  # noqa: BLE001
             check(f"TE GEMM on loaded weight [{name}]", False, f"{type(e).__name__}: {e}")
+    te_module_round_trip(tmp, cap)
+
+
+def te_module_round_trip(tmp: Path, cap) -> None:
+    """A Linear / LayerNormLinear stack made under quantized_model_init, saved with te-serial and
+    loaded into a fresh TE model: every parameter's bytes (and the extra state) come back."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+    recipes = {"delayed": te_recipe.DelayedScaling(), "current": te_recipe.Float8CurrentScaling()}
+    if cap[0] >= 10:
+        recipes["mxfp8"] = te_recipe.MXFP8BlockScaling()
+    if cap >= (9, 0):
+        recipes["block"] = te_recipe.Float8BlockScaling()
+
+    def build(rec):
+        with te.quantized_model_init(enabled=True, recipe=rec):
+            return torch.nn.Sequential(te.LayerNormLinear(1024, 1024), te.Linear(1024, 1024)).cuda()
+
+    x = torch.randn(32, 1024, device="cuda")
+    for name, rec in recipes.items():
+        try:
+            src = build(rec)
+            with te.autocast(enabled=True, recipe=rec):
+                y0 = src(x)
+            path = tmp / f"module_{name}"
+            ts.save_quantized(src.state_dict(), path)
+            dst = build(rec)
+            dst.load_state_dict(ts.load_quantized(path, device="cuda", as_te=True))
+            ok = True
+            for (k, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
+                if ts.is_te_tensor(a):
+                    ok &= all(same(getattr(ts.from_te(b), n), t) for n, t in ts.from_te(a).buffers().items())
+                elif isinstance(a, torch.Tensor) and not k.endswith("_extra_state"):
+                    ok &= same(a, b)
+            with te.autocast(enabled=True, recipe=rec):
+                y1 = dst(x)
+            check(f"TE module state dict round trip [{name}]", ok and torch.equal(y0, y1))
+        except Exception as e:  # noqa: BLE001
+            check(f"TE module state dict round trip [{name}]", False, f"{type(e).__name__}: {e}")
 
 
 def main() -> int:
