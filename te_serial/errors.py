@@ -68,3 +68,11 @@ class ChecksumError(CheckpointError):
 
 class UnsupportedValueError(CheckpointError):
     """A state-dict value te-serial cannot store without pickle (the message names its path)."""
+
+
+class ConversionError(CheckpointError):
+    """A checkpoint cannot be converted as asked (the message names the file and tensor)."""
+
+
+class UnknownLayoutError(ConversionError):
+    """A checkpoint layout te-serial does not read (the message says what was found)."""

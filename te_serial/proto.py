@@ -68,7 +68,7 @@ class TensorProto:
 
     def assemble(self, inner: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> torch.Tensor:
         """Build the tensor from its inner buffers (a mapping, or a list in ``inner_names`` order)."""
-        if not isinstance(inner, Mapping):
+        if not isinstance(inner, dict) and not isinstance(inner, Mapping):
             inner = dict(zip(self.inner_names(), inner))
         meta = self.create_metadata()
         return QuantizedTensorStorage.__tensor_unflatten__(inner, meta, self.shape, None)

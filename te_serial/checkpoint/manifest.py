@@ -274,6 +274,7 @@ class _Decoder:
             self.fail(f"manifest breaks the schema at /{path}: {e.message}", field=path or None)
         except (ValueError, TypeError) as e:  # a value no JSON type describes (bytes, ext types)
             self.fail(f"manifest holds a value of no JSON type: {e}")
+        self.require_ints(doc)
         files = {}
         for f in doc["files"]:
             if f["name"] in files:
@@ -334,6 +335,30 @@ class _Decoder:
                 self.fail(f"tree refers to tensors not in the table: {unknown[:5]}", field="tree")
         return Manifest(names, protos, proto_index, files, file_index, checksums, aliases, tree,
                         dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped)
+
+    def require_ints(self, doc: dict) -> None:
+        """Indices, sizes and shapes must be ints: JSON Schema's "integer" also admits 1.0."""
+        def check(values, where: str) -> None:
+            if not all(type(v) is int for v in values):
+                self.fail("holds a number that is not an integer", field=where)
+        check([f["size"] for f in doc["files"]], "files")
+        for i, p in enumerate(doc["protos"]):
+            check(p["shape"], f"protos/{i}/shape")
+            check([p["quantizer"]] if p["quantizer"] is not None else [], f"protos/{i}/quantizer")
+            for j, b in enumerate(p["buffers"]):
+                check(b["shape"], f"protos/{i}/buffers/{j}/shape")
+        cols = doc["tensors"]
+        names = cols["names"]
+
+        def check_rows(rows, where: str) -> None:  # one row per tensor: name the tensor
+            for i, row in enumerate(rows):
+                if not all(type(v) is int for v in (row if isinstance(row, list) else [row])):
+                    self.fail("holds a number that is not an integer", field=where,
+                              tensor=names[i] if i < len(names) else None)
+        check_rows(cols["protos"], "tensors/protos")
+        check_rows(cols["files"], "tensors/files")
+        check_rows(cols.get("checksums") or [], "tensors/checksums")
+        check([v for pair in cols.get("aliases", []) for v in pair], "tensors/aliases")
 
     def protos(self, raw: list, quantizers: list, bad_quantizers: dict) -> tuple[list, dict]:
         protos: list[TensorProto | None] = []

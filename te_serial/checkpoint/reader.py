@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,6 +34,14 @@ from .transfer import DeviceCopier
 
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def _regular_file_size(path: Path, error: type[CheckpointError] = CheckpointFileError) -> int:
+    """Size of a regular file (a FIFO or device would block or never end: refused)."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise error("not a regular file", file=str(path))
+    return st.st_size
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
@@ -85,12 +94,17 @@ class Checkpoint:
         self._handles: dict[str, Any] = {}
         self._checked: set[str] = set()
         self._by_file: dict[str, list] | None = None
+        self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
         if self.path.is_dir():
             self.root = self.path
             manifest_path = self.path / MANIFEST_NAME
             try:
+                size = _regular_file_size(manifest_path, ManifestError)
+                if size > MAX_MANIFEST_BYTES:
+                    raise ManifestError(f"manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit",
+                                        file=str(manifest_path))
                 with open(manifest_path, "rb") as f:
-                    data = f.read(MAX_MANIFEST_BYTES + 1)
+                    data = f.read(size)
             except FileNotFoundError:
                 raise ManifestError(f"no {MANIFEST_NAME} in checkpoint directory", file=str(self.path)) from None
             except OSError as e:
@@ -99,6 +113,7 @@ class Checkpoint:
             self._check_file_sizes()
         elif self.path.is_file():
             self.root = self.path.parent
+            _regular_file_size(self.path)
             handle = _safe_open(self.path)
             self._handles[SELF_FILE] = handle
             header = handle.metadata() or {}
@@ -146,7 +161,7 @@ class Checkpoint:
         for name, size in self.manifest.files.items():
             p = self._file_path(name)
             try:
-                actual = p.stat().st_size
+                actual = _regular_file_size(p)
             except FileNotFoundError:
                 raise CheckpointFileError("buffer file is missing", file=str(p)) from None
             if actual != size:
@@ -217,7 +232,7 @@ class Checkpoint:
     def _load(self, name: str, device: torch.device, verify: bool, copier: DeviceCopier | None,
               cache: dict) -> torch.Tensor:
         entry = self.manifest.tensors[name]
-        ident = tuple((b.file, b.key) for b in entry.buffers.values()) + (entry.proto,)
+        ident = tuple(b.key for b in entry.buffers.values())  # keys are unique to a stored tensor
         if ident in cache:  # tied tensors come back as one object
             return cache[ident]
         proto = entry.proto
@@ -238,10 +253,11 @@ class Checkpoint:
                 out = raw[PLAIN_BUFFER]
                 if proto.requires_grad:
                     out.requires_grad_(True)
-            else:
-                out = proto.assemble(raw)
-                if proto.requires_grad:
-                    out.requires_grad_(True)
+            else:  # TensorProto's unflatten context (once per distinct prototype) + __tensor_unflatten__
+                meta = self._metas.get(id(proto))
+                if meta is None:
+                    meta = self._metas[id(proto)] = proto.create_metadata()
+                out = QuantizedTensorStorage.__tensor_unflatten__(raw, meta, proto.shape, None)
         cache[ident] = out
         return out
 

@@ -115,21 +115,38 @@ UNPACK_LIMITS = dict(max_str_len=1 << 24, max_bin_len=1 << 26, max_array_len=1 <
                      max_map_len=1 << 22, max_ext_len=1 << 24)
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == TENSOR_EXT:
-        return TensorRef(data.decode("utf-8"))
-    if code == TUPLE_EXT:
-        return tuple(unpack(data))
-    if code == TE_EXTRA_STATE_EXT:
-        return TEExtraState(unpack(data))
-    raise ManifestError(f"unknown msgpack extension type {code} in manifest")
+class _Unpacker:
+    """One decode: nested extension payloads count towards one depth limit (each is decoded by a
+    recursive call, so without a bound a few hundred bytes could exhaust the C stack)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == TENSOR_EXT:
+            return TensorRef(data.decode("utf-8"))
+        if code in (TUPLE_EXT, TE_EXTRA_STATE_EXT):
+            if self.depth >= MAX_DEPTH:
+                raise ManifestError(f"the manifest's tree nests extension types deeper than {MAX_DEPTH} levels")
+            self.depth += 1
+            try:
+                inner = self.unpack(data)
+            finally:
+                self.depth -= 1
+            return tuple(inner) if code == TUPLE_EXT else TEExtraState(inner)
+        raise ManifestError(f"unknown msgpack extension type {code} in manifest")
+
+    def unpack(self, data: bytes) -> Any:
+        # timestamp=3 turns msgpack's built-in timestamp type into datetime objects, which
+        # tree_refs then refuses like every other type te-serial never writes.
+        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False,
+                               use_list=True, timestamp=3, **UNPACK_LIMITS)
 
 
 def unpack(data: bytes) -> Any:
     """Inverse of :func:`pack`, with size limits; any malformation is a :class:`ManifestError`."""
     try:
-        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False,
-                               use_list=True, **UNPACK_LIMITS)
+        return _Unpacker().unpack(data)
     except ManifestError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
@@ -149,7 +166,9 @@ def tree_refs(tree: Any, depth: int = 0) -> list[str]:
         return [n for v in tree.values() for n in tree_refs(v, depth + 1)]
     if isinstance(tree, (list, tuple)):
         return [n for v in tree for n in tree_refs(v, depth + 1)]
-    return []
+    if tree is None or isinstance(tree, (bool, int, float, str, bytes)):
+        return []
+    raise ManifestError(f"manifest tree holds a {type(tree).__name__}, which te-serial never writes")
 
 
 def rebuild_tree(tree: Any, tensors: dict[str, Any]) -> Any:

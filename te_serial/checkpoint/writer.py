@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 import re
 import secrets
 from pathlib import Path
@@ -31,6 +33,18 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 SHARD_PATTERN = re.compile(r"^model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors$")
 TMP_PREFIX = ".te_serial-tmp-"
+#: the temporary file safetensors' save_file writes before renaming (left behind by a kill)
+SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _is_leftover(name: str, target: str | None = None) -> bool:
+    """Temporary files of killed saves in a checkpoint directory (ours and safetensors'), or
+    with ``target``: the temporary directories of killed saves of that single file."""
+    if target is not None:
+        return name.startswith(TMP_PREFIX) and name.endswith(f"-{target}.d")
+    return bool(SAFETENSORS_TMP.match(name)) or name.startswith(TMP_PREFIX)
 
 
 def parse_size(size: int | str) -> int:
@@ -70,7 +84,9 @@ class _Collector:
     """Turns flat tensors into manifest entries and the buffers to write (tied tensors once)."""
 
     def __init__(self, checksums: bool) -> None:
-        self.checksums = checksums
+        # Checksums are computed on a worker thread (xxhash releases the GIL) while shards are
+        # written; entries hold futures until the manifest is built.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="te-serial-xxh3") if checksums else None
         self.entries: dict[str, TensorEntry] = {}
         self.aliases: dict[str, str] = {}
         self.blobs: dict[str, torch.Tensor] = {}       # safetensors key → CPU tensor (stored dtype)
@@ -123,7 +139,19 @@ class _Collector:
         self.blobs[key] = cpu
         self._keys.add(key)
         return BufferEntry(SELF_FILE, key, tuple(cpu.shape), cpu.dtype,
-                           checksum(cpu) if self.checksums else None)
+                           self._hasher.submit(checksum, cpu) if self._hasher is not None else None)
+
+    def resolved(self, key_file: Mapping[str, str] | None = None) -> dict[str, TensorEntry]:
+        """The entries with checksums computed and (directory checkpoints) their final file names."""
+        def fix(be: BufferEntry) -> BufferEntry:
+            value = be.checksum.result() if isinstance(be.checksum, Future) else be.checksum
+            return BufferEntry(key_file[be.key] if key_file else be.file, be.key, be.shape, be.dtype, value)
+        out = {}
+        for name, e in self.entries.items():
+            out[name] = out.get(self.aliases.get(name)) or TensorEntry(e.proto, {b: fix(be) for b, be in e.buffers.items()})
+        if self._hasher is not None:
+            self._hasher.shutdown()
+        return out
 
 
 def _flat_tree(tree: Any) -> Any:
@@ -143,17 +171,21 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
 
 def _write_safetensors(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                        atomic: bool = True) -> int:
-    """Write and fsync one safetensors file; with ``atomic``, under a temporary name renamed at the end."""
-    tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}") if atomic else final
+    """Write and fsync one safetensors file. With ``atomic`` it is written inside a private
+    temporary directory beside ``final`` (where safetensors' own temporary file lands too) and
+    renamed into place at the end, so a killed write leaves only that directory behind."""
+    if not atomic:
+        save_file(tensors, str(final), metadata=metadata)
+        os.chmod(final, 0o666 & ~_UMASK)  # safetensors' temporary file is 0600; follow the umask
+        _fsync_path(final)
+        return final.stat().st_size
+    workdir = final.parent / f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}.d"
+    workdir.mkdir()
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        _fsync_path(tmp)
-        size = tmp.stat().st_size
-        if atomic:
-            os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        size = _write_safetensors(workdir / final.name, tensors, metadata, atomic=False)
+        os.replace(workdir / final.name, final)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return size
 
 
@@ -229,13 +261,16 @@ class CheckpointWriter:
         self._closed = True
         c = self._collector
         if self.single:
-            manifest = Manifest.from_entries(c.entries, {}, tree=self.tree, aliases=c.aliases,
+            manifest = Manifest.from_entries(c.resolved(), {}, tree=self.tree, aliases=c.aliases,
                                              metadata=self.metadata, producer=_producer())
             # One metadata key only: safetensors writes metadata in hash order, and the same
             # tensors must always give the same bytes.
             header = {HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")}
             _write_safetensors(self.path, c.blobs, header)
             _fsync_path(self.path.parent, directory=True)
+            for stale in self.path.parent.iterdir():  # leftovers of killed saves of this file
+                if _is_leftover(stale.name, self.path.name):
+                    shutil.rmtree(stale, ignore_errors=True)
             self.manifest = manifest
             return manifest
         try:
@@ -249,10 +284,7 @@ class CheckpointWriter:
                 os.replace(tmp, self.path / name)  # still invisible: no manifest names it yet
                 files[name] = size
                 key_file.update({k: name for k in keys})
-            entries = {nm: TensorEntry(e.proto, {b: BufferEntry(key_file[be.key], be.key, be.shape, be.dtype,
-                                                                 be.checksum) for b, be in e.buffers.items()})
-                       for nm, e in c.entries.items()}
-            manifest = Manifest.from_entries(entries, files, tree=self.tree, aliases=c.aliases,
+            manifest = Manifest.from_entries(c.resolved(key_file), files, tree=self.tree, aliases=c.aliases,
                                              metadata=self.metadata, producer=_producer())
             tmp = self.path / f"{TMP_PREFIX}{self._save_id}-{MANIFEST_NAME}"
             tmp.write_bytes(manifest.to_bytes())
@@ -263,8 +295,11 @@ class CheckpointWriter:
             raise
         _fsync_path(self.path, directory=True)
         for stale in self.path.iterdir():  # the previous save's shards and leftovers of killed saves
-            if (stale.name in old_shards and stale.name not in files) or stale.name.startswith(TMP_PREFIX):
-                stale.unlink(missing_ok=True)
+            if (stale.name in old_shards and stale.name not in files) or _is_leftover(stale.name):
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
         self.manifest = manifest
         return manifest
 

@@ -100,6 +100,14 @@ def require_fp8_dtype(q: "Quantizer") -> None:
         raise FormatError(f"{type(q).__name__}: fp8_dtype must be one of {FP8_DTYPES}, got {q.fp8_dtype}")
 
 
+#: checks for the annotated types of quantizer fields, as read from a file
+_FIELD_TYPES = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+}
+
+
 def _encode_field(value: Any) -> Any:
     return dtype_name(value) if isinstance(value, torch.dtype) else value
 
@@ -273,11 +281,19 @@ class Quantizer:
         unknown = set(data) - names - {"kind"}
         if unknown:
             raise FormatError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-        kwargs = {k: (dtype_from_name(v) if k in cls._dtype_fields else v)
-                  for k, v in data.items() if k != "kind"}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for k, v in data.items():
+            if k == "kind":
+                continue
+            if k in cls._dtype_fields:
+                v = dtype_from_name(v)
+            elif not _FIELD_TYPES.get(types[k], lambda _: True)(v):
+                raise FormatError(f"{cls.__name__} field {k} must be {types[k]}, got {v!r}")
+            kwargs[k] = v
         try:
             return cls(**kwargs)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise FormatError(f"bad fields for {cls.__name__}: {e}") from None
 
 

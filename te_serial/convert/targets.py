@@ -1,0 +1,254 @@
+"""What a conversion can produce: the target table, rules, and names for formats in reports.
+
+A target is a te-serial recipe (every entry of :data:`te_serial.recipes.RECIPES`, written as a
+te-serial checkpoint), a plain dtype (``bf16``/``fp16``/``fp32``: a Hugging Face-style
+safetensors checkpoint any HF loader reads), or an inference-engine layout (``deepseek_fp8``,
+``compressed_tensors_fp8``, ``compressed_tensors_fp8_tensor``). Plain dtypes mix with any other
+target (they mean "a plain tensor of that dtype"); te-serial recipes and each engine layout do
+not mix, since they are different file layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from ..dtypes import dtype_name
+from ..errors import ConversionError
+from ..formats import Quantizer
+from ..recipes import RECIPES, recipe_quantizer
+
+__all__ = ["Target", "KEEP", "TARGETS", "target", "target_names", "Rules", "load_rules",
+           "DEFAULT_KEEP_PATTERNS", "describe_quantizer", "describe_dtype", "usage_label",
+           "layout_fields_equal"]
+
+KEEP = "keep"
+
+#: families: "te" (te-serial checkpoint), "plain" (HF safetensors), "deepseek", "ct"
+FAMILY_LAYOUT = {"te": "te-serial", "plain": "safetensors", "deepseek": "deepseek_fp8",
+                 "ct": "compressed_tensors_fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One conversion target: its name, family and what it needs."""
+
+    name: str
+    family: str
+    description: str
+    dtype: torch.dtype | None = None      # plain targets
+    strategy: str | None = None           # compressed-tensors: "channel" or "tensor"
+
+    def quantizer(self, *, rowwise: bool = True, columnwise: bool = True) -> Quantizer:
+        """The weight quantizer of a te-serial recipe target."""
+        if self.family != "te":
+            raise ConversionError(f"target {self.name!r} is not a te-serial recipe")
+        return recipe_quantizer(self.name, rowwise=rowwise, columnwise=columnwise)
+
+
+def _build_targets() -> dict[str, Target]:
+    out: dict[str, Target] = {}
+    for name, (desc, _) in RECIPES.items():
+        out[name] = Target(name, "te", desc)
+    out["bf16"] = Target("bf16", "plain", "plain BF16 (Hugging Face safetensors)", dtype=torch.bfloat16)
+    out["fp16"] = Target("fp16", "plain", "plain FP16 (Hugging Face safetensors)", dtype=torch.float16)
+    out["fp32"] = Target("fp32", "plain", "plain FP32 (Hugging Face safetensors)", dtype=torch.float32)
+    out["deepseek_fp8"] = Target(
+        "deepseek_fp8", "deepseek",
+        "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 block")
+    out["compressed_tensors_fp8"] = Target(
+        "compressed_tensors_fp8", "ct",
+        "compressed-tensors float-quantized FP8 E4M3, one weight scale per output channel",
+        strategy="channel")
+    out["compressed_tensors_fp8_tensor"] = Target(
+        "compressed_tensors_fp8_tensor", "ct",
+        "compressed-tensors float-quantized FP8 E4M3, one weight scale per tensor", strategy="tensor")
+    return out
+
+
+TARGETS: dict[str, Target] = _build_targets()
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+            "deepseek": "deepseek_fp8", "compressed-tensors": "compressed_tensors_fp8",
+            "ct_fp8": "compressed_tensors_fp8", "ct_fp8_tensor": "compressed_tensors_fp8_tensor"}
+
+
+def target_names() -> list[str]:
+    return list(TARGETS)
+
+
+def target(name: str) -> Target:
+    """The target called ``name`` (a recipe, ``bf16``/``fp16``/``fp32``, or an engine layout)."""
+    key = _ALIASES.get(name, name) if isinstance(name, str) else name
+    if key not in TARGETS:
+        raise ConversionError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)} (or 'keep' in rules)")
+    return TARGETS[key]
+
+
+# --- rules ---------------------------------------------------------------------------------------
+
+#: what the default rules keep as they are, before quantizing every other 2-D ``*.weight``:
+#: embeddings, the output head, norms and MoE routers (as TE and the FP8 checkpoints in the
+#: wild do: DeepSeek-V3 keeps exactly these in BF16)
+DEFAULT_KEEP_PATTERNS = ("*embed*", "*lm_head*", "*norm*", "*.gate.weight", "*router*", "*wte.*", "*wpe.*")
+
+
+class Rules:
+    """Ordered glob patterns on tensor names → target name or ``"keep"``; the first match wins.
+
+    ``None`` gives the default: 2-D ``*.weight`` tensors outside :data:`DEFAULT_KEEP_PATTERNS`
+    get ``recipe``; everything else is kept. With explicit rules, unmatched tensors are kept.
+    """
+
+    def __init__(self, rules: Mapping[str, str] | Sequence[tuple[str, str]] | None, recipe: str | None) -> None:
+        self.recipe = recipe
+        self.default = rules is None
+        if rules is None:
+            self.items: list[tuple[str, str]] = []
+        elif isinstance(rules, Mapping):
+            self.items = [(str(k), str(v)) for k, v in rules.items()]
+        else:
+            try:
+                self.items = [(str(p), str(v)) for p, v in rules]
+            except (TypeError, ValueError):
+                raise ConversionError("rules must map glob patterns to a target name or 'keep'") from None
+        for pattern, value in self.items:
+            if value != KEEP:
+                target(value)  # fails with the list of choices
+        if recipe is not None:
+            target(recipe)
+
+    def values(self) -> list[str]:
+        vals = [v for _, v in self.items if v != KEEP]
+        if self.recipe is not None:
+            vals.append(self.recipe)
+        return vals
+
+    def lookup(self, name: str, shape: tuple[int, ...]) -> tuple[str, bool]:
+        """(target name or ``"keep"``, explicit): ``explicit`` is False for the default rule."""
+        if self.default:
+            if self.recipe is None:
+                return KEEP, False
+            if any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_KEEP_PATTERNS):
+                return KEEP, False
+            if (name == "weight" or name.endswith(".weight")) and len(shape) == 2:
+                return self.recipe, False
+            return KEEP, False
+        for pattern, value in self.items:
+            if fnmatch.fnmatchcase(name, pattern):
+                return value, True
+        return KEEP, True
+
+    def family(self) -> str:
+        """The output layout family these rules and the recipe ask for."""
+        fams = {target(v).family for v in self.values()}
+        special = sorted(fams - {"plain"})
+        if len(special) > 1:
+            names = sorted({v for v in self.values() if target(v).family != "plain"})
+            raise ConversionError(f"targets {names} write different checkpoint layouts "
+                                  f"({', '.join(FAMILY_LAYOUT[f] for f in special)}); convert to one of them")
+        if special:
+            return special[0]
+        return "plain" if fams else "te"
+
+
+def load_rules(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """Rules from a file: a JSON object ``{pattern: target}`` (or a list of pairs), or text lines
+    ``pattern target`` / ``pattern = target`` (``#`` starts a comment)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConversionError(f"cannot read rules: {e}", file=str(p)) from None
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[")):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConversionError(f"rules are not valid JSON: {e}", file=str(p)) from None
+        items: Iterable = data.items() if isinstance(data, dict) else data
+        try:
+            out = [(str(a), str(b)) for a, b in items]
+        except (TypeError, ValueError):
+            raise ConversionError("JSON rules must be {pattern: target} or [[pattern, target], ...]",
+                                  file=str(p)) from None
+    else:
+        out = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = [s.strip() for s in line.split("=", 1)] if "=" in line else line.split()
+            if len(parts) != 2 or not all(parts):
+                raise ConversionError(f"line {lineno}: expected 'pattern target', got {line!r}", file=str(p))
+            out.append((parts[0], parts[1]))
+    for pattern, value in out:
+        if value != KEEP:
+            try:
+                target(value)
+            except ConversionError as e:
+                raise ConversionError(f"rule {pattern!r}: {e}", file=str(p)) from None
+    return out
+
+
+# --- names for formats --------------------------------------------------------------------------
+
+_SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                 torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.float8_e8m0fnu: "e8m0"}
+
+
+def describe_dtype(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPES.get(dtype) or dtype_name(dtype)
+
+
+#: quantizer fields that change what the bytes mean (the rest say how they were produced)
+LAYOUT_FIELDS = {
+    "fp8_delayed_scaling": ("fp8_dtype",),
+    "fp8_current_scaling": ("fp8_dtype",),
+    "mxfp8": ("fp8_dtype", "with_2d_quantization"),
+    "fp8_blockwise": ("fp8_dtype", "block_scaling_dim"),
+    "nvfp4": ("with_2d_quantization", "with_rht", "with_random_sign_mask"),
+}
+
+
+def layout_fields_equal(a: Quantizer, b: Quantizer) -> bool:
+    """Same kind and same layout-defining fields (usages and production details aside)."""
+    if a.kind != b.kind:
+        return False
+    fields = LAYOUT_FIELDS.get(a.kind)
+    if fields is None:
+        return a.set_usage(rowwise=True, columnwise=True) == b.set_usage(rowwise=True, columnwise=True)
+    if a.kind == "nvfp4" and not (a.with_rht or b.with_rht):
+        fields = ("with_2d_quantization",)  # the sign mask only matters with the RHT
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def describe_quantizer(q: Quantizer) -> str:
+    """The recipe name whose layout ``q`` has (``mxfp8``, ``fp8_block`` …), else a descriptive name."""
+    for name in RECIPES:
+        ref = recipe_quantizer(name, rowwise=q.rowwise, columnwise=q.columnwise)
+        if layout_fields_equal(ref, q):
+            return name
+    kind = q.kind
+    if kind in ("fp8_delayed_scaling", "fp8_current_scaling"):
+        base = "fp8_delayed" if kind == "fp8_delayed_scaling" else "fp8_current"
+        return f"{base}_{describe_dtype(q.fp8_dtype)}"
+    if kind == "mxfp8":
+        return f"mxfp8{'_2d' if q.with_2d_quantization else ''}_{describe_dtype(q.fp8_dtype)}"
+    if kind == "fp8_blockwise":
+        return f"fp8_block{'_1d' if q.block_scaling_dim == 1 else ''}_{describe_dtype(q.fp8_dtype)}"
+    if kind == "nvfp4":
+        return f"nvfp4{'_2d' if q.with_2d_quantization else ''}{'_rht' if q.with_rht else ''}"
+    return kind
+
+
+def usage_label(q: Quantizer | None) -> str:
+    if q is None:
+        return "-"
+    return "+".join(u for u, on in (("row", q.rowwise), ("col", q.columnwise)) if on)
+
