@@ -172,7 +172,7 @@ def test_lazy_open_reads_only_what_is_asked(tmp_path, monkeypatch):
     from te_serial.checkpoint import reader
     orig = reader.Checkpoint._read_buffer
     monkeypatch.setattr(reader.Checkpoint, "_read_buffer",
-                        lambda self, t, b, e, v: read.append((t, b)) or orig(self, t, b, e, v))
+                        lambda self, t, b, *rest: read.append((t, b)) or orig(self, t, b, *rest))
     with ts.open(path) as h:
         protos = h.protos
         assert set(protos) == set(sd) and read == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ class Manifest:
     def __post_init__(self) -> None:
         self._index = {n: i for i, n in enumerate(self.names) if n not in self.skipped}
         self._file_names = list(self.files) or [SELF_FILE]
-        self._buffer_names = [list(expected_buffers(p)) if p is not None else [] for p in self.protos]
+        self._layouts: dict[int, list] = {}
         self.tensors = _TensorTable(self)
 
     # --- per-tensor views ---------------------------------------------------------------------
@@ -166,18 +167,38 @@ class Manifest:
         protos, idx = self.protos, self.proto_index
         return {n: protos[idx[i]] for n, i in self._index.items()}
 
-    def _entry(self, i: int) -> TensorEntry:
-        p = self.proto_index[i]
-        proto = self.protos[p]
+    def _layout(self, p: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(buffer name, shape, stored dtype) of prototype ``p``, in flatten order (cached)."""
+        lay = self._layouts.get(p)
+        if lay is None:
+            lay = self._layouts[p] = [(n, s, d) for n, (s, d) in expected_buffers(self.protos[p]).items()]
+        return lay
+
+    def locations(self, name: str) -> list[tuple[str, str, str, tuple[int, ...], torch.dtype, int | None]]:
+        """(buffer, file, key, shape, stored dtype, checksum) of each buffer of a tensor — the
+        columns read directly, without building entries (the loader's hot path)."""
+        i = self._index[name]
         src = self.aliases.get(i, i)
-        want = expected_buffers(proto)
-        buffers = {}
-        for j, bname in enumerate(self._buffer_names[p]):
-            shape, dtype = want[bname]
-            buffers[bname] = BufferEntry(
-                self._file_names[self.file_index[src][j]], buffer_key(self.names[src], bname), shape, dtype,
-                self.checksums[src][j] if self.checksums is not None else None)
-        return TensorEntry(proto, buffers)
+        src_name, files, sums = self.names[src], self.file_index[src], self.checksums
+        return [(b, self._file_names[files[j]], buffer_key(src_name, b), shape, dtype,
+                 sums[src][j] if sums is not None else None)
+                for j, (b, shape, dtype) in enumerate(self._layout(self.proto_index[i]))]
+
+    def buffers_by_file(self) -> dict[str, list[tuple[str, str, str, tuple[int, ...], torch.dtype]]]:
+        """file → (tensor, buffer, key, shape, stored dtype) of every stored buffer (aliases once)."""
+        out: dict[str, list] = {}
+        for name, i in self._index.items():
+            if i in self.aliases:
+                continue
+            files = self.file_index[i]
+            for j, (b, shape, dtype) in enumerate(self._layout(self.proto_index[i])):
+                out.setdefault(self._file_names[files[j]], []).append(
+                    (name, b, buffer_key(name, b), shape, dtype))
+        return out
+
+    def _entry(self, i: int) -> TensorEntry:
+        return TensorEntry(self.protos[self.proto_index[i]],
+                           {b: BufferEntry(f, k, s, d, c) for b, f, k, s, d, c in self.locations(self.names[i])})
 
     def nbytes(self) -> int:
         """Bytes of all buffers (tied tensors counted once)."""
@@ -338,8 +359,11 @@ class _Decoder:
 
     def require_ints(self, doc: dict) -> None:
         """Indices, sizes and shapes must be ints: JSON Schema's "integer" also admits 1.0."""
+        def ints(values) -> bool:
+            return set(map(type, values)) <= {int}
+
         def check(values, where: str) -> None:
-            if not all(type(v) is int for v in values):
+            if not ints(values):
                 self.fail("holds a number that is not an integer", field=where)
         check([f["size"] for f in doc["files"]], "files")
         for i, p in enumerate(doc["protos"]):
@@ -348,17 +372,15 @@ class _Decoder:
             for j, b in enumerate(p["buffers"]):
                 check(b["shape"], f"protos/{i}/buffers/{j}/shape")
         cols = doc["tensors"]
-        names = cols["names"]
-
-        def check_rows(rows, where: str) -> None:  # one row per tensor: name the tensor
-            for i, row in enumerate(rows):
-                if not all(type(v) is int for v in (row if isinstance(row, list) else [row])):
-                    self.fail("holds a number that is not an integer", field=where,
-                              tensor=names[i] if i < len(names) else None)
-        check_rows(cols["protos"], "tensors/protos")
-        check_rows(cols["files"], "tensors/files")
-        check_rows(cols.get("checksums") or [], "tensors/checksums")
-        check([v for pair in cols.get("aliases", []) for v in pair], "tensors/aliases")
+        chain = itertools.chain.from_iterable
+        for column, rows in (("protos", [cols["protos"]]), ("files", cols["files"]),
+                             ("checksums", cols.get("checksums") or [])):
+            if not ints(chain(rows)):  # slow path only on failure: name the tensor
+                for i, row in enumerate(cols[column]):
+                    if not ints(row if isinstance(row, list) else [row]):
+                        self.fail("holds a number that is not an integer", field=f"tensors/{column}",
+                                  tensor=cols["names"][i] if i < len(cols["names"]) else None)
+        check(list(chain(cols.get("aliases", []))), "tensors/aliases")
 
     def protos(self, raw: list, quantizers: list, bad_quantizers: dict) -> tuple[list, dict]:
         protos: list[TensorProto | None] = []

@@ -28,7 +28,7 @@ from ..errors import (ChecksumError, CheckpointError, CheckpointFileError, Manif
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
-                       TensorEntry, checksum, format_checksum, memory_specs)
+                       checksum, format_checksum, memory_specs)
 from .tree import rebuild_tree
 from .transfer import DeviceCopier
 
@@ -178,28 +178,22 @@ class Checkpoint:
             self._checked.add(name)
         return handle
 
-    def _buffers_by_file(self) -> dict[str, list]:
-        if self._by_file is None:
-            self._by_file = {}
-            for tname, entry in self.manifest.tensors.items():
-                for bname, b in entry.buffers.items():
-                    self._by_file.setdefault(b.file, []).append((tname, bname, b))
-        return self._by_file
-
     def _check_header(self, name: str, handle) -> None:
         """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
         path = self._file_path(name)
         header = read_safetensors_header(path)
-        for tname, bname, b in self._buffers_by_file().get(name, []):
-            info = header.get(b.key)
+        if self._by_file is None:
+            self._by_file = self.manifest.buffers_by_file()
+        for tname, bname, key, want_shape, want_dtype in self._by_file.get(name, []):
+            info = header.get(key)
             if info is None:
-                raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file",
+                raise TensorMismatchError(f"buffer {bname} (key {key!r}) is not in the file",
                                           file=str(path), tensor=tname, field=bname)
             shape, dtype = tuple(info["shape"]), info["dtype"]
-            if shape != b.shape or dtype != safetensors_code(b.dtype):
+            if shape != want_shape or dtype != safetensors_code(want_dtype):
                 raise TensorMismatchError(
                     f"buffer {bname} is {dtype}{list(shape)} in the file but "
-                    f"{safetensors_code(b.dtype)}{list(b.shape)} in the manifest",
+                    f"{safetensors_code(want_dtype)}{list(want_shape)} in the manifest",
                     file=str(path), tensor=tname, field=bname)
 
     def close(self) -> None:
@@ -212,37 +206,47 @@ class Checkpoint:
         self.close()
 
     # --- reading tensors ------------------------------------------------------------------------
-    def _read_buffer(self, tname: str, bname: str, entry: TensorEntry, verify: bool) -> torch.Tensor:
-        b = entry.buffers[bname]
-        handle = self._handle(b.file)
+    def _read_buffer(self, tname: str, bname: str, file: str, key: str, expected: int | None,
+                     verify: bool) -> torch.Tensor:
+        handle = self._handles.get(file) if file in self._checked else None
+        if handle is None:
+            handle = self._handle(file)
         try:
-            t = handle.get_tensor(b.key)
+            t = handle.get_tensor(key)
         except (SafetensorError, RuntimeError, OSError) as e:
-            raise CheckpointFileError(f"cannot read buffer {bname}: {e}", file=str(self._file_path(b.file)),
+            raise CheckpointFileError(f"cannot read buffer {bname}: {e}", file=str(self._file_path(file)),
                                       tensor=tname, field=bname) from None
         if verify:
-            if b.checksum is None:
+            if expected is None:
                 raise ChecksumError("verify=True but the checkpoint was saved without checksums",
-                                    file=str(self._file_path(b.file)), tensor=tname, field=bname)
-            if checksum(t) != b.checksum:
-                raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(b.checksum)}",
-                                    file=str(self._file_path(b.file)), tensor=tname, field=bname)
+                                    file=str(self._file_path(file)), tensor=tname, field=bname)
+            if checksum(t) != expected:
+                raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(expected)}",
+                                    file=str(self._file_path(file)), tensor=tname, field=bname)
         return t
+
+    def _assembly(self, proto: TensorProto) -> tuple[Any, dict[str, torch.dtype]]:
+        """(unflatten context, in-memory dtype per buffer) of a prototype, worked out once."""
+        found = self._metas.get(id(proto))
+        if found is None:
+            found = self._metas[id(proto)] = (proto.create_metadata(),
+                                              {n: s.dtype for n, s in memory_specs(proto).items()})
+        return found
 
     def _load(self, name: str, device: torch.device, verify: bool, copier: DeviceCopier | None,
               cache: dict) -> torch.Tensor:
-        entry = self.manifest.tensors[name]
-        ident = tuple(b.key for b in entry.buffers.values())  # keys are unique to a stored tensor
+        where = self.manifest.locations(name)
+        ident = tuple(loc[2] for loc in where)  # keys are unique to a stored tensor
         if ident in cache:  # tied tensors come back as one object
             return cache[ident]
-        proto = entry.proto
+        proto = self._protos[name]
         if device.type == "meta":
             out = proto.create_tensor(device="meta")
         else:
-            raw = {n: self._read_buffer(name, n, entry, verify) for n in entry.buffers}
+            raw = {b: self._read_buffer(name, b, f, k, c, verify) for b, f, k, _, _, c in where}
             if proto.quantizer is not None:
-                specs = memory_specs(proto)
-                raw = {n: t.view(specs[n].dtype) for n, t in raw.items()}
+                meta, dtypes = self._assembly(proto)
+                raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
             if copier is not None:  # allocate from the prototype on the target device, copy in
                 dst = (proto.quantizer.alloc_tensors(proto.shape, device=device) if proto.quantizer is not None
                        else {PLAIN_BUFFER: torch.empty(proto.shape, dtype=proto.dtype, device=device)})
@@ -253,10 +257,7 @@ class Checkpoint:
                 out = raw[PLAIN_BUFFER]
                 if proto.requires_grad:
                     out.requires_grad_(True)
-            else:  # TensorProto's unflatten context (once per distinct prototype) + __tensor_unflatten__
-                meta = self._metas.get(id(proto))
-                if meta is None:
-                    meta = self._metas[id(proto)] = proto.create_metadata()
+            else:  # TensorProto's unflatten context + the storage class's __tensor_unflatten__
                 out = QuantizedTensorStorage.__tensor_unflatten__(raw, meta, proto.shape, None)
         cache[ident] = out
         return out
@@ -300,9 +301,9 @@ class Checkpoint:
     def verify(self) -> int:
         """Check every buffer against its checksum; returns the number of buffers checked."""
         checked = 0
-        for name, entry in self.manifest.tensors.items():
-            for bname in entry.buffers:
-                self._read_buffer(name, bname, entry, verify=True)
+        for name in self.manifest.tensors:
+            for b, f, k, _, _, c in self.manifest.locations(name):
+                self._read_buffer(name, b, f, k, c, verify=True)
                 checked += 1
         return checked
 
