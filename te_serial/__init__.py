@@ -19,6 +19,7 @@ from .checkpoint import Checkpoint, load_quantized, read_protos, save_quantized,
 from .checkpoint import open_checkpoint as open  # noqa: E402,A001
 from .te_interop import from_te, is_te_tensor, to_te  # noqa: E402
 from .model import LoadResult, Plan, load_into, materialize, plan, quantize_model  # noqa: E402
+from .conversion import ConversionReport, convert  # noqa: E402
 
 __all__ = [
     "TeSerialError", "FormatError", "ShapeError", "BufferMismatchError", "UnknownQuantizerError",
@@ -33,5 +34,5 @@ __all__ = [
     "ManifestError", "VersionError", "CheckpointFileError", "TensorMismatchError", "ChecksumError",
     "UnsupportedValueError", "Checkpoint", "save_quantized", "load_quantized", "open", "read_protos",
     "verify", "from_te", "to_te", "is_te_tensor", "load_into", "quantize_model", "materialize", "plan",
-    "Plan", "LoadResult",
+    "Plan", "LoadResult", "convert", "ConversionReport",
 ]

@@ -36,8 +36,10 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
     of |x| is one of the inputs, so it is taken in the input dtype (exact) and widened after;
     the NaN-masking pass runs only when a NaN reached the result.
     """
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:  # amax of nothing is 0, in the shape the reduction would have
+        if dim is None:
+            return torch.zeros((), dtype=torch.float32, device=x.device)
+        return torch.zeros_like(x, dtype=torch.float32).sum(dim=dim, keepdim=keepdim)
     a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=keepdim)
     if bool(torch.isnan(a).any()):
         masked = torch.where(torch.isnan(x), torch.zeros((), dtype=x.dtype, device=x.device), x.abs())

@@ -113,3 +113,12 @@ def test_every_named_recipe_builds_a_registered_quantizer(name):
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(ts.FormatError, match="mxfp8"):
         recipe_quantizer("fp7")
+
+
+@pytest.mark.parametrize("q", [ts.Float8BlockQuantizer(), ts.Float8BlockQuantizer(block_scaling_dim=1),
+                               ts.Float8CurrentScalingQuantizer()], ids=lambda q: q.kind)
+@pytest.mark.parametrize("shape", [(128, 0), (0, 64), (0, 0)])
+def test_empty_tensors_quantize_to_the_described_buffers(q, shape):
+    t = q(torch.zeros(shape))
+    q.check_buffers(shape, t.buffers())
+    assert t.dequantize().shape == shape

@@ -3,6 +3,7 @@
     python tools/bench.py quantize     # GB/s of BF16 input quantized per recipe vs a plain FP8 cast
     python tools/bench.py ckpt         # save / load of ~1 GiB vs safetensors and torch.load; 10k-tensor open
     python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint
+    python tools/bench.py convert      # BF16 -> MXFP8 conversion: GB/s and peak RSS for 1 and 3 GiB sources
 
 Timings are medians of several runs in one process; nothing here is asserted in tests.
 """
@@ -270,8 +271,11 @@ def main(argv=None) -> int:
     m = sub.add_parser("model", help="peak RSS of meta-model materialization vs the BF16 path")
     m.add_argument("--gib", type=float, default=2.0, help="size of the MXFP8 checkpoint")
     m.add_argument("--dir", default=None)
+    import bench_convert  # noqa: E402 - tools/ is this script's directory
+    bench_convert.add_parser(sub)
     args = parser.parse_args(argv)
-    {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model}[args.which](args)
+    {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model,
+     "convert": bench_convert.run}[args.which](args)
     return 0
 
 

@@ -53,18 +53,19 @@ LAYOUTS = ("te-serial", "safetensors", "deepseek_fp8", "compressed_tensors_fp8")
 E4M3 = torch.float8_e4m3fn
 _FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 
-#: key suffixes of layouts te-serial does not read, and what they are
+#: key suffixes of layouts te-serial does not read: suffix → (what it is, the sibling suffix that
+#: must also be there for the key to count, so an ordinary tensor of that name is not refused)
 _FOREIGN_SUFFIXES = {
-    ".qweight": "GPTQ/AWQ packed int weights", ".qzeros": "GPTQ/AWQ zero points",
-    ".scales": "GPTQ/AWQ group scales", ".g_idx": "GPTQ act-order indices",
-    ".weight_packed": "compressed-tensors pack-quantized (int4/fp4) weights",
-    ".weight_global_scale": "compressed-tensors NVFP4 global scales",
-    ".weight_g_idx": "compressed-tensors act-order indices",
-    ".weight_shape": "compressed-tensors packed-weight shapes",
-    ".weight_shape_original": "compressed-tensors padded block weights",
-    ".SCB": "bitsandbytes int8", ".weight_format": "bitsandbytes int8",
-    ".absmax": "bitsandbytes 4-bit", ".quant_map": "bitsandbytes 4-bit",
-    ".nested_absmax": "bitsandbytes 4-bit", "_blocks": "MXFP4 (gpt-oss) blocks",
+    ".qweight": ("GPTQ/AWQ packed int weights", None), ".qzeros": ("GPTQ/AWQ zero points", ".qweight"),
+    ".scales": ("GPTQ/AWQ group scales", ".qweight"), ".g_idx": ("GPTQ act-order indices", ".qweight"),
+    ".weight_packed": ("compressed-tensors pack-quantized (int4/fp4) weights", None),
+    ".weight_global_scale": ("compressed-tensors NVFP4 global scales", None),
+    ".weight_g_idx": ("compressed-tensors act-order indices", None),
+    ".weight_shape": ("compressed-tensors packed-weight shapes", None),
+    ".weight_shape_original": ("compressed-tensors padded block weights", None),
+    ".SCB": ("bitsandbytes int8", None), ".weight_format": ("bitsandbytes int8", None),
+    ".absmax": ("bitsandbytes 4-bit", None), ".quant_map": ("bitsandbytes 4-bit", None),
+    ".nested_absmax": ("bitsandbytes 4-bit", None), "_blocks": ("MXFP4 (gpt-oss) blocks", "_scales"),
 }
 #: compressed-tensors activation / KV-cache parameters: not weights, dropped on conversion
 _CT_ACTIVATION_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point",
@@ -162,6 +163,8 @@ class TeSerialSource(Source):
                                               {"entry": entry}, alias_of=aliases.get(name))
         if path.is_dir():
             self.aux_files = _aux_files(path, exclude={MANIFEST_NAME, *manifest.files})
+            if (path / CONFIG_NAME).is_file():  # a model directory converted to te-serial keeps its config
+                self.config = _read_json(path / CONFIG_NAME)
 
     def _open(self, fname: str) -> SafetensorsFile:
         f = self._files.get(fname)
@@ -266,8 +269,8 @@ class SafetensorsSource(Source):
         keys = list(self._where)
         keyset = set(keys)
         for k in keys:
-            for suffix, what in _FOREIGN_SUFFIXES.items():
-                if k.endswith(suffix):
+            for suffix, (what, sibling) in _FOREIGN_SUFFIXES.items():
+                if k.endswith(suffix) and (sibling is None or k[: -len(suffix)] + sibling in keyset):
                     self._fail(f"tensor looks like {what}, a layout te-serial does not read", k)
         consumed: set[str] = set()
         ds_pairs: dict[str, str] = {}

@@ -93,9 +93,10 @@ def target(name: str) -> Target:
 # --- rules ---------------------------------------------------------------------------------------
 
 #: what the default rules keep as they are, before quantizing every other 2-D ``*.weight``:
-#: embeddings, the output head, norms and MoE routers (as TE and the FP8 checkpoints in the
-#: wild do: DeepSeek-V3 keeps exactly these in BF16)
-DEFAULT_KEEP_PATTERNS = ("*embed*", "*lm_head*", "*norm*", "*.gate.weight", "*router*", "*wte.*", "*wpe.*")
+#: embeddings, output heads, norms and MoE routers (as TE and the FP8 checkpoints in the wild
+#: do: DeepSeek-V3 keeps exactly these in BF16, its MTP layer's ``shared_head.head`` included)
+DEFAULT_KEEP_PATTERNS = ("*embed*", "*lm_head*", "*.head.weight", "*norm*", "*.gate.weight", "*router*",
+                         "*wte.*", "*wpe.*")
 
 
 class Rules:

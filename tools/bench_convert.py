@@ -1,0 +1,188 @@
+"""``tools/bench.py convert``: a BF16 Hugging Face checkpoint → te-serial MXFP8, streaming.
+
+For a 1 GiB and a 3 GiB source with the same largest tensor, it prints GB/s of source and the
+peak RSS of a child process doing only the conversion (``resource.getrusage``), then the two
+ratios the conversion issue asks for:
+
+* peak RSS (3 GiB) / peak RSS (1 GiB) — must be ≤ 1.10: memory does not grow with the checkpoint;
+* peak RSS / (4 × the largest tensor's FP32 size + 300 MB) — must be ≤ 1.
+
+The figures include the conversion's own per-tensor check (dequantize both usages, compare with
+the source). Wire it into tools/bench.py with ``add_parser(subparsers)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+_CHILD = r"""
+import json, resource, sys, time
+try:  # VmHWM: forget the high-water mark inherited through fork (ru_maxrss cannot be reset)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+sys.path.insert(0, sys.argv[4])
+import torch
+import importlib
+tc = importlib.import_module("te_serial.conversion")
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+rep = tc.convert(sys.argv[1], sys.argv[2], recipe=sys.argv[3], max_shard_size="1GB")
+sec = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+hwm = None
+try:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+except OSError:
+    pass
+print(json.dumps({"seconds": sec, "src_bytes": rep.src_bytes, "dst_bytes": rep.dst_bytes, "peak_rss": peak,
+                  "import_rss": base, "vm_hwm": hwm, "tensors": len(rep.tensors), "lossy": len(rep.lossy),
+                  "threads": torch.get_num_threads()}))
+"""
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    m, k = (int(v) for v in text.lower().split("x"))
+    return m, k
+
+
+def make_source(path: Path, total_bytes: int, largest: tuple[int, int], seed: int = 0,
+                shard_bytes: int = 512 << 20) -> dict:
+    """A Llama-like BF16 checkpoint of ~``total_bytes`` whose largest tensor is ``largest``:
+    per layer one ``largest`` MLP weight, a (K x K) and a (K/2 x K) attention weight, a norm."""
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    m, k = largest
+    layer_shapes = [("mlp.up_proj.weight", (m, k)), ("self_attn.q_proj.weight", (k, k)),
+                    ("self_attn.k_proj.weight", (k // 2, k)), ("input_layernorm.weight", (k,))]
+    shard: dict[str, torch.Tensor] = {}
+    shard_size = 0
+    weight_map: dict[str, str] = {}
+    files: list[tuple[str, dict]] = []
+    total = layer = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            name = f"part-{len(files):05d}"
+            save_file(shard, str(path / f"{name}.safetensors"), metadata={"format": "pt"})
+            files.append((name, dict.fromkeys(shard)))
+            shard, shard_size = {}, 0
+
+    while total < total_bytes:
+        for suffix, shape in layer_shapes:
+            name = f"model.layers.{layer}.{suffix}"
+            t = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+            n = t.numel() * 2
+            if shard_size + n > shard_bytes:
+                flush()
+            shard[name] = t
+            shard_size += n
+            total += n
+        layer += 1
+    flush()
+    n_files = len(files)
+    for i, (name, keys) in enumerate(files):  # HF names: model-0000i-of-0000n.safetensors
+        final = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        os.replace(path / f"{name}.safetensors", path / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return {"bytes": total, "layers": layer, "files": n_files, "largest_fp32": m * k * 4}
+
+
+def _make_in_child(path: Path, total_bytes: int, largest: tuple[int, int]) -> dict:
+    """make_source in a child process: the parent stays small, so a later child's peak RSS (which
+    on Linux starts from the parent's RSS at fork time) is the conversion's own."""
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_make", str(path), str(total_bytes),
+                          f"{largest[0]}x{largest[1]}"], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"making the source failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _child(src: Path, dst: Path, recipe: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst), recipe, str(ROOT)],
+                         capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"conversion child failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("convert", help="BF16 checkpoint -> MXFP8: GB/s and peak RSS at two sizes")
+    p.add_argument("--gib", default="1,3", help="source sizes in GiB, comma-separated (default 1,3)")
+    p.add_argument("--largest", default="8192x4096", help="largest tensor, MxK BF16 (default 8192x4096)")
+    p.add_argument("--recipe", default="mxfp8")
+    p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    sizes = [float(s) for s in str(args.gib).split(",") if s.strip()]
+    largest = _parse_shape(args.largest)
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-convert-", dir=args.dir))
+    results = []
+    try:
+        for gib in sizes:
+            src, dst = work / f"src-{gib:g}g", work / f"dst-{gib:g}g"
+            t0 = time.perf_counter()
+            info = _make_in_child(src, int(gib * 2 ** 30), largest)
+            gen = time.perf_counter() - t0
+            r = _child(src, dst, args.recipe)
+            r.update(info, gib=gib, gen_seconds=gen)
+            results.append(r)
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.rmtree(dst, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    largest_fp32 = largest[0] * largest[1] * 4
+    bound = 4 * largest_fp32 + 300e6
+    print(f"convert: BF16 safetensors -> te-serial {args.recipe} (both usages), largest tensor "
+          f"{largest[0]}x{largest[1]} ({largest_fp32 / 1e6:.0f} MB as FP32), "
+          f"{results[0]['threads'] if results else '?'} threads; peak RSS of a child doing only the conversion")
+    print(f"{'source':>10}{'tensors':>9}{'seconds':>9}{'GB/s':>8}{'peak RSS MB':>13}{'VmHWM MB':>10}"
+          f"{'import RSS MB':>15}{'vs bound':>10}")
+    for r in results:
+        hwm = f"{r['vm_hwm'] / 1e6:>10.0f}" if r.get("vm_hwm") else f"{'-':>10}"
+        print(f"{r['bytes'] / 2 ** 30:>8.2f}Gi{r['tensors']:>9}{r['seconds']:>9.1f}{r['bytes'] / r['seconds'] / 1e9:>8.3f}"
+              f"{r['peak_rss'] / 1e6:>13.0f}{hwm}{r['import_rss'] / 1e6:>15.0f}{r['peak_rss'] / bound:>10.3f}")
+    print(f"bound: 4 x largest FP32 + 300 MB = {bound / 1e6:.0f} MB (ratio must be <= 1)")
+    if len(results) >= 2:
+        growth = results[-1]["peak_rss"] / results[0]["peak_rss"]
+        print(f"peak RSS {results[-1]['gib']:g} GiB / {results[0]['gib']:g} GiB = {growth:.3f} (must be <= 1.10)")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_make"]:
+        print(json.dumps(make_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="which", required=True)
+    add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
