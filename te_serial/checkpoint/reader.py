@@ -44,7 +44,7 @@ def _regular_file_size(path: Path, error: type[CheckpointError] = CheckpointFile
     return st.st_size
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
+def read_safetensors_header(path: Path, with_data_start: bool = False):
     """key → {dtype, shape, data_offsets} from a safetensors header, checked against the file size.
 
     One read and one JSON parse (cheaper than a slice lookup per key); a malformed or lying
@@ -76,7 +76,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         if not ok:
             raise CheckpointFileError(f"safetensors entry {key!r} has bad offsets, shape or dtype",
                                       file=str(path), field=key)
-    return header
+    return (header, 8 + n) if with_data_start else header
 
 
 def _safe_open(path: Path):
@@ -95,6 +95,8 @@ class Checkpoint:
         self._checked: set[str] = set()
         self._by_file: dict[str, list] | None = None
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
+        self._layouts: dict[str, tuple[dict, int]] = {}   # file → (checked header, data start)
+        self._storages: dict[str, torch.UntypedStorage] = {}  # file → its private mmap
         if self.path.is_dir():
             self.root = self.path
             manifest_path = self.path / MANIFEST_NAME
@@ -181,7 +183,8 @@ class Checkpoint:
     def _check_header(self, name: str, handle) -> None:
         """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
         path = self._file_path(name)
-        header = read_safetensors_header(path)
+        header, data_start = read_safetensors_header(path, with_data_start=True)
+        self._layouts[name] = (header, data_start)
         if self._by_file is None:
             self._by_file = self.manifest.buffers_by_file()
         for tname, bname, key, want_shape, want_dtype in self._by_file.get(name, []):
@@ -198,6 +201,7 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+        self._storages.clear()  # tensors handed out keep their mapping alive
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -206,13 +210,33 @@ class Checkpoint:
         self.close()
 
     # --- reading tensors ------------------------------------------------------------------------
+    def _mapped(self, file: str, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The buffer as a view of the file's private mmap (no copy; writes stay in memory), from the
+        header already checked against the manifest; None where safetensors must do it."""
+        header, data_start = self._layouts[file]
+        start = data_start + header[key]["data_offsets"][0]
+        if start % dtype.itemsize or math.prod(shape) == 0:
+            return None
+        storage = self._storages.get(file)
+        if storage is None:
+            path = self._file_path(file)
+            storage = self._storages[file] = torch.UntypedStorage.from_file(
+                str(path), shared=False, nbytes=path.stat().st_size)
+        strides, step = [], 1
+        for dim in reversed(shape):
+            strides.append(step)
+            step *= dim
+        return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape, tuple(reversed(strides)))
+
     def _read_buffer(self, tname: str, bname: str, file: str, key: str, expected: int | None,
-                     verify: bool) -> torch.Tensor:
+                     verify: bool, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
         handle = self._handles.get(file) if file in self._checked else None
         if handle is None:
             handle = self._handle(file)
         try:
-            t = handle.get_tensor(key)
+            t = self._mapped(file, key, shape, dtype) if dtype is not None else None
+            if t is None:
+                t = handle.get_tensor(key)
         except (SafetensorError, RuntimeError, OSError) as e:
             raise CheckpointFileError(f"cannot read buffer {bname}: {e}", file=str(self._file_path(file)),
                                       tensor=tname, field=bname) from None
@@ -243,7 +267,8 @@ class Checkpoint:
         if device.type == "meta":
             out = proto.create_tensor(device="meta")
         else:
-            raw = {b: self._read_buffer(name, b, f, k, c, verify) for b, f, k, _, _, c in where}
+            raw = {b: self._read_buffer(name, b, f, k, c, verify, shape, dtype)
+                   for b, f, k, shape, dtype, c in where}
             if proto.quantizer is not None:
                 meta, dtypes = self._assembly(proto)
                 raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
