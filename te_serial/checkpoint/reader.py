@@ -59,11 +59,14 @@ def read_safetensors_header(path: Path, with_data_start: bool = False):
                 raise CheckpointFileError(f"safetensors header length {n} does not fit the file "
                                           f"({size} bytes)", file=str(path))
             header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointFileError(f"unreadable safetensors header: {e}", file=str(path)) from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointFileError(f"unreadable safetensors header: {type(e).__name__}: {e}", file=str(path)) from None
     if not isinstance(header, dict):
         raise CheckpointFileError("safetensors header is not a JSON object", file=str(path))
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                for k, v in meta.items())):
+        raise CheckpointFileError("safetensors __metadata__ must map strings to strings", file=str(path))
     data_len = size - 8 - n
     for key, info in header.items():
         try:
@@ -76,6 +79,15 @@ def read_safetensors_header(path: Path, with_data_start: bool = False):
         if not ok:
             raise CheckpointFileError(f"safetensors entry {key!r} has bad offsets, shape or dtype",
                                       file=str(path), field=key)
+    end = 0  # as safetensors requires: buffers tile the data section, no gaps, no overlaps
+    for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
+        if info["data_offsets"][0] != end:
+            raise CheckpointFileError(f"safetensors entry {key!r} overlaps another or leaves a gap",
+                                      file=str(path), field=key)
+        end = info["data_offsets"][1]
+    if end != data_len:
+        raise CheckpointFileError(f"safetensors data section is {data_len} bytes but its entries cover {end}",
+                                  file=str(path))
     return (header, 8 + n) if with_data_start else header
 
 
@@ -170,17 +182,20 @@ class Checkpoint:
                 raise CheckpointFileError(f"file is {actual} bytes, the manifest says {size} (truncated or "
                                           "replaced?)", file=str(p))
 
+    def _ensure_checked(self, name: str) -> None:
+        """Check a file's header against the manifest before its first buffer is touched."""
+        if name not in self._checked:
+            self._check_header(name)
+            self._checked.add(name)
+
     def _handle(self, name: str):
-        """The safe_open handle of a file, its header checked against the manifest on first use."""
+        """safetensors' own reader of a file, for buffers the mmap view cannot serve."""
+        self._ensure_checked(name)
         if name not in self._handles:
             self._handles[name] = _safe_open(self._file_path(name))
-        handle = self._handles[name]
-        if name not in self._checked:
-            self._check_header(name, handle)
-            self._checked.add(name)
-        return handle
+        return self._handles[name]
 
-    def _check_header(self, name: str, handle) -> None:
+    def _check_header(self, name: str) -> None:
         """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
         path = self._file_path(name)
         header, data_start = read_safetensors_header(path, with_data_start=True)
@@ -230,13 +245,11 @@ class Checkpoint:
 
     def _read_buffer(self, tname: str, bname: str, file: str, key: str, expected: int | None,
                      verify: bool, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
-        handle = self._handles.get(file) if file in self._checked else None
-        if handle is None:
-            handle = self._handle(file)
+        self._ensure_checked(file)
         try:
             t = self._mapped(file, key, shape, dtype) if dtype is not None else None
             if t is None:
-                t = handle.get_tensor(key)
+                t = self._handle(file).get_tensor(key)
         except (SafetensorError, RuntimeError, OSError) as e:
             raise CheckpointFileError(f"cannot read buffer {bname}: {e}", file=str(self._file_path(file)),
                                       tensor=tname, field=bname) from None

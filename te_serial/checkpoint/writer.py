@@ -31,7 +31,6 @@ from .tree import TensorRef, flatten_tree
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SHARD_PATTERN = re.compile(r"^model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors$")
 TMP_PREFIX = ".te_serial-tmp-"
 #: the temporary file safetensors' save_file writes before renaming (left behind by a kill)
 SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
