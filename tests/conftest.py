@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import te_serial as ts
+
 INPUT_KINDS = ("random", "zeros", "tiny", "outliers", "specials")
 
 
@@ -65,6 +67,36 @@ def assert_same_buffers(got: dict, want: dict, where: str = "") -> None:
             diff = (g.contiguous().view(torch.uint8) != w.contiguous().view(torch.uint8)).nonzero()
             raise AssertionError(f"{where}: {name} differs at {diff[:5].tolist()} "
                                  f"({diff.shape[0]} bytes)")
+
+
+def assert_same_tensor(got, want, name: str = "") -> None:
+    """Same class, shape, nominal dtype and bytes; for quantized tensors also quantizer and buffers."""
+    assert type(got) is type(want), name
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    if isinstance(want, ts.QuantizedTensorStorage):
+        assert got.quantizer == want.quantizer, name
+        assert list(got.buffers()) == list(want.buffers()), name
+        for n, b in want.buffers().items():
+            assert same_bits(getattr(got, n), b), f"{name}.{n}"
+    else:
+        assert same_bits(got, want), name
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+USAGES = [(True, False), (False, True), (True, True)]
+
+#: (quantizer factory taking (rowwise, columnwise), input shape): every format and variant on
+#: 2-D, 3-D and non-multiple-of-128 shapes, shared by the round-trip tests
+FORMAT_CASES = [
+    (lambda r, c: ts.Float8Quantizer(2.0, 5.0, E4M3, rowwise=r, columnwise=c), (3, 5, 70)),
+    (lambda r, c: ts.Float8CurrentScalingQuantizer(E5M2, rowwise=r, columnwise=c, force_pow_2_scales=True), (37, 53)),
+    (lambda r, c: ts.MXFP8Quantizer(E4M3, rowwise=r, columnwise=c), (2, 32, 64)),
+    (lambda r, c: ts.MXFP8Quantizer(E5M2, rowwise=r, columnwise=c, with_2d_quantization=True), (64, 96)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=1), (200, 300)),
+    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
+    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
+]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,21 +10,9 @@ from safetensors import safe_open
 
 import te_serial as ts
 from te_serial.checkpoint.tree import unpack
-from conftest import make_input, same_bits
+from conftest import E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-USAGES = [(True, False), (False, True), (True, True)]
-
-FORMATS = [
-    (lambda r, c: ts.Float8Quantizer(2.0, 5.0, E4M3, rowwise=r, columnwise=c), (3, 5, 70)),
-    (lambda r, c: ts.Float8CurrentScalingQuantizer(E5M2, rowwise=r, columnwise=c, force_pow_2_scales=True), (37, 53)),
-    (lambda r, c: ts.MXFP8Quantizer(E4M3, rowwise=r, columnwise=c), (2, 32, 64)),
-    (lambda r, c: ts.MXFP8Quantizer(E5M2, rowwise=r, columnwise=c, with_2d_quantization=True), (64, 96)),
-    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=1), (200, 300)),
-    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
-    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
-    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
-]
+FORMATS = FORMAT_CASES
 PLAIN_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
                 torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.complex64]
@@ -45,18 +33,6 @@ def _plain(dtype, shape=(3, 4)):
     if dtype == torch.bool:
         return raw[..., 0] % 2 == 1
     return raw.view(dtype).reshape(shape)
-
-
-def assert_same_tensor(got, want, name=""):
-    assert type(got) is type(want), name
-    assert got.shape == want.shape and got.dtype == want.dtype, name
-    if isinstance(want, ts.QuantizedTensor):
-        assert got.quantizer == want.quantizer, name
-        assert list(got.buffers()) == list(want.buffers()), name
-        for n, b in want.buffers().items():
-            assert same_bits(getattr(got, n), b), f"{name}.{n}"
-    else:
-        assert same_bits(got, want), name
 
 
 @pytest.mark.parametrize("layout", ["dir", "file", "sharded"])

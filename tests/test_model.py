@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import te_serial as ts
-from conftest import same_bits
+from conftest import assert_same_tensor
 
 
 class Block(nn.Module):
@@ -56,14 +56,7 @@ def _assert_same_model(a: nn.Module, b: nn.Module):
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for k in sa:
-        x, y = sa[k], sb[k]
-        assert type(x) is type(y) and x.shape == y.shape and x.dtype == y.dtype, k
-        if isinstance(x, ts.QuantizedTensor):
-            assert x.quantizer == y.quantizer
-            for n, buf in x.buffers().items():
-                assert same_bits(getattr(y, n), buf), (k, n)
-        else:
-            assert same_bits(x, y), k
+        assert_same_tensor(sb[k], sa[k], k)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -7,33 +7,15 @@ import torch
 
 import te_serial as ts
 import te_shim
-from conftest import make_input, same_bits, same_values
+from conftest import E4M3, E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits, same_values
 
 te = te_shim.install()
 if te is None:  # only where the test extra (transformer-engine wheel) is not installed
     pytest.skip("transformer-engine wheel not installed", allow_module_level=True)
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-USAGES = [(True, False), (False, True), (True, True)]
-CASES = [
-    (lambda r, c: ts.Float8CurrentScalingQuantizer(E4M3, rowwise=r, columnwise=c, force_pow_2_scales=True), (3, 5, 64)),
-    (lambda r, c: ts.Float8Quantizer(0.5, 7.0, E5M2, rowwise=r, columnwise=c), (37, 53)),
-    (lambda r, c: ts.MXFP8Quantizer(E4M3, rowwise=r, columnwise=c), (2, 32, 64)),
-    (lambda r, c: ts.MXFP8Quantizer(E5M2, rowwise=r, columnwise=c, with_2d_quantization=True), (96, 64)),
-    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=1), (200, 300)),
-    (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
-    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
-    (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
-]
+CASES = FORMAT_CASES
 PARAMS = [pytest.param(make, shape, usage, id=f"{make(*usage).kind}{i}-{usage}")
           for i, (make, shape) in enumerate(CASES) for usage in USAGES]
-
-
-def _assert_same(a, b):
-    assert type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and a.quantizer == b.quantizer
-    assert list(a.buffers()) == list(b.buffers())
-    for n, buf in b.buffers().items():
-        assert same_bits(getattr(a, n), buf), n
 
 
 @pytest.mark.parametrize("make,shape,usage", PARAMS)
@@ -46,7 +28,7 @@ def test_round_trip_through_te_classes_is_byte_identical(make, shape, usage):
     for n, b in te_shim.te_buffers(theirs).items():
         assert b is getattr(ours, n)  # shares the bytes
     back = ts.from_te(theirs)
-    _assert_same(back, ours)
+    assert_same_tensor(back, ours)
     fields = te_shim.te_quantizer_fields(theirs._quantizer)
     assert (fields["rowwise_usage"], fields["columnwise_usage"]) == usage
 
@@ -73,7 +55,7 @@ def test_swizzled_scales_are_unswizzled():
             theirs = te_shim.make_te_nvfp4(*(sw[k] for k in ts.NVFP4TensorStorage.BUFFERS), shape, torch.float32,
                                            with_gemm_swizzled_scales=True)
         assert not torch.equal(sw["_rowwise_scale_inv"], b["_rowwise_scale_inv"])
-        _assert_same(ts.from_te(theirs), ours)
+        assert_same_tensor(ts.from_te(theirs), ours)
 
 
 def test_uninitialized_scale_padding_is_zeroed_in_a_copy():
@@ -83,14 +65,14 @@ def test_uninitialized_scale_padding_is_zeroed_in_a_copy():
     dirty[:, 2:] = 0xCD
     theirs = te_shim.make_te_mxfp8(ours._rowwise_data, dirty, None, None, E4M3, (64, 64), torch.float32)
     back = ts.from_te(theirs)
-    _assert_same(back, ours)
+    assert_same_tensor(back, ours)
     assert dirty[64:, :2].eq(0xAB).all() and dirty[:, 2:].eq(0xCD).all()  # TE's tensor is left as it was
     blk = ts.Float8BlockQuantizer(block_scaling_dim=1, columnwise=False)(torch.randn(10, 300))
     s = blk._rowwise_scale_inv.clone()
     s[:, 10:] = float("nan")  # 1-D scales are [ceil(K/128), roundup(M, 4)]: padding columns
     theirs = te_shim.make_te_blockwise(blk._rowwise_data, s, None, None, E4M3, (10, 300), torch.float32,
                                        is_2D_scaled=False)
-    _assert_same(ts.from_te(theirs), blk)
+    assert_same_tensor(ts.from_te(theirs), blk)
 
 
 def test_hopper_transpose_only_and_blackwell_data_only_float8():
@@ -105,7 +87,7 @@ def test_hopper_transpose_only_and_blackwell_data_only_float8():
     q = te.Float8CurrentScalingQuantizer(te_shim.to_te_dtype(E4M3), torch.device("cpu"), rowwise=True, columnwise=True)
     blackwell = te_shim.make_te_float8(both._data, both._scale_inv, E4M3, (24, 40), torch.float32, quantizer=q)
     got = ts.from_te(blackwell)
-    _assert_same(got, both)  # the transpose is derived from _data, exactly
+    assert_same_tensor(got, both)  # the transpose is derived from _data, exactly
 
 
 def test_pickled_float8_without_quantizer_keeps_its_bytes():
@@ -122,7 +104,7 @@ def test_te_storage_objects_convert_too():
                                                b["_columnwise_scale_inv"], te_shim.to_te_dtype(E4M3), None, True,
                                                fake_dtype=torch.float32)
     assert ts.is_te_tensor(storage) and not isinstance(storage, torch.Tensor)
-    _assert_same(ts.from_te(storage), ours)
+    assert_same_tensor(ts.from_te(storage), ours)
 
 
 def test_save_accepts_te_tensors_and_load_can_return_them(tmp_path):
@@ -138,6 +120,6 @@ def test_save_accepts_te_tensors_and_load_can_return_them(tmp_path):
             assert torch.equal(as_te[k], t)
             continue
         assert type(as_te[k]) is type(t)
-        _assert_same(plain[k], ts.from_te(t))
+        assert_same_tensor(plain[k], ts.from_te(t))
         for n, b in te_shim.te_buffers(t).items():
             assert same_bits(te_shim.te_buffers(as_te[k])[n], b), (k, n)

@@ -71,12 +71,6 @@ def _validator():
 
 
 @functools.lru_cache(maxsize=4096)
-def memory_specs(proto: TensorProto):
-    """The prototype's buffer specs (cached: checkpoints repeat a few prototypes many times)."""
-    return proto.buffer_specs()
-
-
-@functools.lru_cache(maxsize=4096)
 def expected_buffers(proto: TensorProto) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name → (shape, stored dtype) of each buffer a tensor of this prototype has on disk (cached;
     callers must not modify the result)."""

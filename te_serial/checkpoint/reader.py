@@ -28,7 +28,7 @@ from ..errors import (ChecksumError, CheckpointError, CheckpointFileError, Manif
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
-                       checksum, format_checksum, memory_specs)
+                       checksum, format_checksum)
 from .tree import rebuild_tree
 from .transfer import DeviceCopier
 
@@ -267,7 +267,7 @@ class Checkpoint:
         found = self._metas.get(id(proto))
         if found is None:
             found = self._metas[id(proto)] = (proto.create_metadata(),
-                                              {n: s.dtype for n, s in memory_specs(proto).items()})
+                                              {n: s.dtype for n, s in proto.buffer_specs().items()})
         return found
 
     def _load(self, name: str, device: torch.device, verify: bool, copier: DeviceCopier | None,
