@@ -13,7 +13,7 @@ from .formats import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, Float8Bl
                       resolve_storage, swizzle_scales, unswizzle_scales)
 from .proto import TensorProto, to_tensor_proto
 
-__version__ = "0.1.0"  # before .checkpoint, which records it as the producer version
+from ._version import __version__
 
 from .checkpoint import Checkpoint, load_quantized, read_protos, save_quantized, verify  # noqa: E402
 from .checkpoint import open_checkpoint as open  # noqa: E402,A001

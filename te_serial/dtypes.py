@@ -33,8 +33,7 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
 
 _BY_DTYPE = {dt: name for name, (dt, _) in _DTYPES.items()}
 
-#: bytes per element of each safetensors dtype code te-serial reads
-SAFETENSORS_ITEMSIZE = {code: dt.itemsize for dt, code in _DTYPES.values()}
+_BY_CODE = {code: dt for dt, code in _DTYPES.values()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,6 +57,6 @@ def safetensors_code(dtype: torch.dtype) -> str:
     return _DTYPES[dtype_name(dtype)][1]
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element."""
-    return dtype.itemsize
+def dtype_from_code(code: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype code, or None for a code te-serial does not read."""
+    return _BY_CODE.get(code)

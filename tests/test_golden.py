@@ -417,12 +417,13 @@ def test_readme_example_reads_directory_layout(tmp_path):
 # --- versioning rules, on copies of a golden file ------------------------------------------------
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:
+    from te_serial.checkpoint.manifest import seal
     """Copy a single-file checkpoint with its manifest changed by ``edit(doc)`` (ext types kept)."""
     with safe_open(str(src), framework="pt") as f:
         meta = dict(f.metadata())
     doc = msgpack.unpackb(base64.b64decode(meta[HEADER_KEY]), raw=False, strict_map_key=False)
     edit(doc)
-    meta[HEADER_KEY] = base64.b64encode(msgpack.packb(doc, use_bin_type=True)).decode("ascii")
+    meta[HEADER_KEY] = base64.b64encode(seal(doc)).decode("ascii")  # a 1.1+ manifest ends with its checksum
     save_file(load_file(str(src)), str(dst), metadata=meta)
     return dst
 

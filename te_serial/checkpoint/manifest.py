@@ -22,6 +22,7 @@ from importlib import resources
 from typing import Any, Iterator, Mapping
 
 import jsonschema_rs
+import msgpack
 import torch
 import xxhash
 
@@ -32,7 +33,7 @@ from ..proto import TensorProto
 from . import tree as tree_mod
 
 FORMAT = "te-serial"
-VERSION = (1, 0)
+VERSION = (1, 1)
 MANIFEST_NAME = "te_serial.msgpack"
 HEADER_KEY = "te_serial.manifest"
 SCHEMA_FILE = "manifest-v1.schema.json"
@@ -40,14 +41,27 @@ MAX_MANIFEST_BYTES = 1 << 28
 #: a buffer's ``file`` in a single-file checkpoint: the file carrying the manifest
 SELF_FILE = ""
 PLAIN_BUFFER = "data"
+#: the manifest's last field (format 1.1): XXH3-64 of every manifest byte before its 8-byte value
+MANIFEST_CHECKSUM = "manifest_checksum"
+_TRAILER = msgpack.packb(MANIFEST_CHECKSUM) + b"\xcf"  # the key, then msgpack's uint64 marker
 
 
-def checksum(t: torch.Tensor) -> int:
-    """XXH3-64 of a CPU tensor's bytes (xxHash: memory-speed, well kept; not a security hash)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
+def seal(doc: dict) -> bytes:
+    """msgpack bytes of a manifest document, its checksum as the last field (see :data:`MANIFEST_CHECKSUM`)."""
+    doc = dict(doc)
+    doc.pop(MANIFEST_CHECKSUM, None)
+    doc[MANIFEST_CHECKSUM] = 2 ** 64 - 1  # always encoded as 0xcf + 8 bytes: patched below
+    data = tree_mod.pack(doc)
+    body = data[:-8]
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "big")
+
+
+def sealed(data: bytes) -> bool | None:
+    """True if ``data`` ends with a manifest checksum that matches, False if it ends with one that
+    does not, None if it has none (format 1.0)."""
+    if len(data) < len(_TRAILER) + 8 or data[-8 - len(_TRAILER):-8] != _TRAILER:
+        return None
+    return xxhash.xxh3_64_intdigest(data[:-8]) == int.from_bytes(data[-8:], "big")
 
 
 def format_checksum(value: int | None) -> str:
@@ -247,7 +261,7 @@ class Manifest:
                "quantizers": [q.to_dict() for q in quantizers], "protos": protos, "tensors": tensors}
         if self.tree is not None:
             doc["tree"] = self.tree
-        return tree_mod.pack(doc)
+        return seal(doc)
 
     # --- decoding and validation ----------------------------------------------------------------
     @staticmethod
@@ -274,6 +288,9 @@ class _Decoder:
     def decode(self, data: bytes) -> Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             self.fail(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        seal_ok = sealed(data)
+        if seal_ok is False:
+            self.fail("manifest does not match its checksum (damaged or edited)", field=MANIFEST_CHECKSUM)
         try:
             doc = tree_mod.unpack(data)
         except ManifestError as e:
@@ -281,6 +298,9 @@ class _Decoder:
         if not isinstance(doc, dict):
             self.fail("manifest is not a map")
         self.check_version(doc)
+        if seal_ok is None and (MANIFEST_CHECKSUM in doc or tuple(doc["version"]) >= (1, 1)):
+            self.fail(f"a format {doc['version'][0]}.{doc['version'][1]} manifest must end with its "
+                      f"{MANIFEST_CHECKSUM}", field=MANIFEST_CHECKSUM)
         tree = doc.pop("tree", None)
         try:
             _validator().validate(doc)
@@ -339,6 +359,7 @@ class _Decoder:
             aliases[a] = b
         if any(b in aliases for b in aliases.values()):
             self.fail("an alias points to another alias", field="tensors/aliases")
+        self.check_keys_unique(names, protos, proto_index, aliases, skipped)
         if tree is not None:
             try:
                 refs = tree_mod.tree_refs(tree)
@@ -350,6 +371,24 @@ class _Decoder:
                 self.fail(f"tree refers to tensors not in the table: {unknown[:5]}", field="tree")
         return Manifest(names, protos, proto_index, files, file_index, checksums, aliases, tree,
                         dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped)
+
+    def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
+        """No two stored buffers share a safetensors key. Buffer names hold no dot, so the only way
+        is a plain tensor named ``<quantized tensor>.<one of its buffers>``."""
+        position = None
+        for i, name in enumerate(names):
+            p = protos[proto_index[i]] if name not in skipped else None
+            if p is None or p.quantizer is not None or i in aliases or "." not in name:
+                continue
+            prefix, suffix = name.rsplit(".", 1)
+            if not suffix.startswith("_"):
+                continue
+            position = position or {n: j for j, n in enumerate(names)}
+            j = position.get(prefix)
+            if j is not None and j not in aliases and names[j] not in skipped \
+                    and suffix in expected_buffers(protos[proto_index[j]]):
+                self.fail(f"plain tensor {name!r} would read the same safetensors key as buffer {suffix} "
+                          f"of tensor {prefix!r}", tensor=name, field="tensors/names")
 
     def require_ints(self, doc: dict) -> None:
         """Indices, sizes and shapes must be ints: JSON Schema's "integer" also admits 1.0."""

@@ -9,12 +9,10 @@ one: memory is set by the largest tensor, not by the checkpoint.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import math
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -22,16 +20,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import __version__
-from ..checkpoint.manifest import (HEADER_KEY, MANIFEST_NAME, SELF_FILE, BufferEntry, Manifest, TensorEntry,
-                                   buffer_key, checksum, expected_buffers)
-from ..checkpoint.writer import parse_size
+from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
+from ..checkpoint.files import ShardSet, atomic_write, fsync_path
+from ..checkpoint.writer import CheckpointWriter, parse_size
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
-from ..formats import Float8Quantizer
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto
-from ._safetensors import TMP_PREFIX, SafetensorsStreamWriter
 from .report import DROPPED, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .sources import CONFIG_NAME, INDEX_NAME, Source, SourceTensor, open_source
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
@@ -235,203 +230,87 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
 
 # --- output ---------------------------------------------------------------------------------------
 
-def _producer() -> dict[str, Any]:
-    try:
-        from importlib.metadata import version
-        te_version = version("transformer-engine")
-    except Exception:  # noqa: BLE001 - TE is optional
-        te_version = None
-    return {"te_serial": __version__, "torch": torch.__version__.split("+")[0], "transformer_engine": te_version}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _hf_shard_name(i: int, n: int) -> str:
+    """Hugging Face's shard names."""
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
 class _Output:
-    """The files of one conversion: shards written as planned, committed at the end."""
+    """The files of one conversion, through the one writer: a te-serial checkpoint through
+    :class:`CheckpointWriter`, other layouts through the same planned shard files, committed by
+    their index (and ``config.json``) last."""
 
     def __init__(self, dst: Path, family: str, plans: list[TensorPlan], limit: int, source: Source,
                  metadata: dict[str, str]) -> None:
-        self.dst, self.family, self.plans, self.source = dst, family, plans, source
+        self.dst, self.family, self.plans = dst, family, plans
         self.single = dst.suffix == ".safetensors"
-        self.metadata = metadata
-        self.save_id = secrets.token_hex(4)
-        # shards: greedy in order, each ≤ limit unless one tensor alone is larger
-        sizes: list[int] = []
-        for plan in plans:
-            if not plan.keys:
-                plan.shard = max(len(sizes) - 1, 0)
-                continue
-            n = plan.nbytes
-            if not sizes or (not self.single and sizes[-1] and sizes[-1] + n > limit):
-                sizes.append(0)
-            sizes[-1] += n
-            plan.shard = len(sizes) - 1
-        if not sizes:
-            sizes = [0]
-        self.n = len(sizes)
-        self.names = [self._shard_name(i) for i in range(self.n)]
-        self.writers: dict[int, SafetensorsStreamWriter] = {}
-        self.done: dict[int, int] = {}                # shard → size
-        self.entries: dict[str, dict[str, BufferEntry]] = {}
         self.root = dst.parent if self.single else dst
+        self.old = self._existing()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.writer: CheckpointWriter | None = None
+        self.files: ShardSet | None = None
+        if family == "te":
+            protos = {p.name: p.step.proto(p.src.shape) for p in plans if p.alias_of is None}
+            protos = {p.name: protos[p.alias_of or p.name] for p in plans}
+            aliases = {p.name: p.alias_of for p in plans if p.alias_of is not None}
+            tree = source.tree if source.layout == "te-serial" else None
+            self.writer = CheckpointWriter(dst, protos, aliases=aliases, tree=tree, max_shard_size=limit,
+                                           metadata=metadata)
+        else:
+            self.files = ShardSet(self.root, [k for p in plans for k in p.keys], limit=limit,
+                                  single=dst if self.single else None, metadata={"format": "pt"},
+                                  shard_name=_hf_shard_name)
 
-    def _shard_name(self, i: int) -> str:
-        if self.single:
-            return self.dst.name
-        if self.family == "te":
-            return f"model-{self.save_id}-{i + 1:05d}-of-{self.n:05d}.safetensors"
-        return "model.safetensors" if self.n == 1 else f"model-{i + 1:05d}-of-{self.n:05d}.safetensors"
-
-    def _reserve(self) -> dict[str, int] | None:
-        """Header room for a single-file te-serial manifest: its size with the largest checksums."""
-        if not (self.single and self.family == "te"):
-            return None
-        entries, data_dependent = self._planned_entries()
-        m = self._manifest(entries, planned=True)
-        n = len(base64.b64encode(m.to_bytes()))
-        return {HEADER_KEY: n + 1400 * data_dependent + 4096}
-
-    def _planned_entries(self) -> tuple[dict[str, TensorEntry], int]:
-        entries: dict[str, TensorEntry] = {}
-        dd = 0
-        for i, plan in enumerate(self.plans):
-            if plan.alias_of is not None:
-                entries[plan.name] = entries[plan.alias_of]
-                continue
-            step = plan.step
-            q = step.out_q
-            if step.data_dependent or step.builder == "channel_or_requant":
-                dd += 1
-                if q is not None and q.kind == "fp8_delayed_scaling":  # distinct, like the real ones
-                    q = Float8Quantizer(1.0 + i * 2.0 ** -20, 1.0 + i * 2.0 ** -20, q.fp8_dtype,
-                                        rowwise=q.rowwise, columnwise=q.columnwise)
-            proto = TensorProto(plan.src.shape, step.out_dtype, q)
-            bufs = {b: BufferEntry(SELF_FILE, buffer_key(plan.name, b), s, d, 2 ** 64 - 1)
-                    for b, (s, d) in expected_buffers(proto).items()}
-            entries[plan.name] = TensorEntry(proto, bufs)
-        return entries, dd
-
-    def _manifest(self, entries: dict[str, TensorEntry], planned: bool = False) -> Manifest:
-        files = {} if self.single else {self.names[i]: self.done.get(i, 0) for i in range(self.n)}
-        aliases = {p.name: p.alias_of for p in self.plans if p.alias_of is not None}
-        tree = self.source.tree if self.source.layout == "te-serial" else None
-        return Manifest.from_entries(entries, files, tree=tree, aliases=aliases, metadata=self.metadata,
-                                     producer=_producer())
-
-    def _writer(self, i: int) -> SafetensorsStreamWriter:
-        w = self.writers.get(i)
-        if w is None:
-            for j in [j for j in self.writers if j < i]:  # shards fill in order: finish the earlier ones
-                self._finish(j)
-            layout = [k for p in self.plans if p.shard == i for k in p.keys]
-            reserve = self._reserve()
-            meta = None if reserve else {"format": "pt"}
-            w = self.writers[i] = SafetensorsStreamWriter(self.root / self.names[i], layout, metadata=meta,
-                                                          reserve=reserve)
-        return w
-
-    def _finish(self, i: int, metadata: Mapping[str, str] | None = None) -> None:
-        w = self.writers.pop(i)
-        self.done[i] = w.finish(metadata)
-        self._tmp_done = getattr(self, "_tmp_done", {})
-        self._tmp_done[i] = w.tmp
-
-    def write(self, plan: TensorPlan, out: torch.Tensor, proto: TensorProto) -> None:
+    def write(self, plan: TensorPlan, out: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.write(plan.name, out)
+            return
         blobs = _export(self.family, plan.name, out)
         if set(blobs) != {k for k, _, _ in plan.keys}:
             raise ConversionError(f"output buffers {sorted(blobs)} differ from the plan "
                                   f"{sorted(k for k, _, _ in plan.keys)}", tensor=plan.name)
-        w = self._writer(plan.shard)
         for key, t in blobs.items():
-            w.write(key, t)
-        if self.family == "te":
-            bnames = list(expected_buffers(proto))
-            keys = [buffer_key(plan.name, b) for b in bnames]
-            file = SELF_FILE if self.single else self.names[plan.shard]
-            self.entries[plan.name] = {b: BufferEntry(file, k, tuple(blobs[k].shape), blobs[k].dtype, checksum(blobs[k]))
-                                       for b, k in zip(bnames, keys)}
+            self.files.write(key, t)
 
-    # -- commit ------------------------------------------------------------------------------------
-    def commit(self, protos: dict[str, TensorProto], config: dict | None, aux: list[Path]) -> list[str]:
-        for i in range(self.n):  # shards with no tensor at all (an empty checkpoint) still exist
-            if i not in self.writers and i not in self.done:
-                self._writer(i)
-        single_te = self.single and self.family == "te"
-        entries: dict[str, TensorEntry] = {}
-        if self.family == "te":
-            for plan in self.plans:
-                if plan.alias_of is not None:
-                    continue
-                entries[plan.name] = TensorEntry(protos[plan.name], self.entries[plan.name])
-            for plan in self.plans:
-                if plan.alias_of is not None:
-                    entries[plan.name] = entries[plan.alias_of]
-            entries = {p.name: entries[p.name] for p in self.plans}
-        for i in sorted(self.writers):
-            if single_te:
-                manifest = self._manifest(entries)
-                self._finish(i, {HEADER_KEY: base64.b64encode(manifest.to_bytes()).decode("ascii")})
-            else:
-                self._finish(i)
-        old = self._existing()
-        written = []
-        for i in range(self.n):
-            os.replace(self._tmp_done[i], self.root / self.names[i])
-            written.append(self.names[i])
-        if not self.single:
-            self._write_aux(config, aux, written)
-            if self.family == "te":
-                manifest = self._manifest(entries)
-                self._atomic_write(self.root / MANIFEST_NAME, manifest.to_bytes())
-                written.append(MANIFEST_NAME)
-            elif self.n > 1:
+    def commit(self, config: dict | None, aux: list[Path]) -> list[str]:
+        """Commit the weights (manifest or index last), then the model directory's other files."""
+        if self.writer is not None:
+            manifest = self.writer.close()
+            written = [self.dst.name] if self.single else [*manifest.files, MANIFEST_NAME]
+        else:
+            sizes = self.files.finish()
+            self.files.commit()
+            written = list(sizes)
+            if not self.single:  # an index even for one shard: engines' sharded readers look for it
                 index = {"metadata": {"total_size": sum(p.nbytes for p in self.plans)},
-                         "weight_map": {k: self.names[p.shard] for p in self.plans for k, _, _ in p.keys}}
-                self._atomic_write(self.root / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+                         "weight_map": {k: self.files.names[self.files.file_of[k]]
+                                        for p in self.plans for k, _, _ in p.keys}}
+                atomic_write(self.root / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
                 written.append(INDEX_NAME)
-        _fsync_dir(self.root)
-        for name in old - set(written):  # the previous checkpoint's files (overwrite=True)
+        if not self.single:
+            for p in aux:
+                if p.name != CONFIG_NAME:
+                    shutil.copyfile(p, self.root / p.name)
+                    written.append(p.name)
+            if config is not None:
+                atomic_write(self.root / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+                written.append(CONFIG_NAME)
+        fsync_path(self.root, directory=True)
+        for name in self.old - set(written):  # the previous checkpoint's files (overwrite=True)
             (self.root / name).unlink(missing_ok=True)
         return [str(self.root / n) for n in written]
 
     def _existing(self) -> set[str]:
-        if self.single or not self.dst.exists():
+        if self.single or not self.dst.is_dir():
             return set()
-        return {p.name for p in self.root.iterdir()
+        return {p.name for p in self.dst.iterdir()
                 if p.is_file() and (p.suffix == ".safetensors" or p.name in (MANIFEST_NAME, INDEX_NAME))}
 
-    def _write_aux(self, config: dict | None, aux: list[Path], written: list[str]) -> None:
-        for p in aux:
-            if p.name == CONFIG_NAME:
-                continue
-            shutil.copyfile(p, self.root / p.name)
-            written.append(p.name)
-        if config is not None:
-            self._atomic_write(self.root / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
-            written.append(CONFIG_NAME)
-
-    @staticmethod
-    def _atomic_write(path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{path.name}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
     def abort(self) -> None:
-        for w in self.writers.values():
-            w.abort()
-        self.writers = {}
-        for tmp in getattr(self, "_tmp_done", {}).values():
-            Path(tmp).unlink(missing_ok=True)
+        if self.writer is not None:
+            self.writer.abort()
+        else:
+            self.files.abort()
 
 
 def _ignored_modules(plans: list[TensorPlan]) -> list[str]:
@@ -578,13 +457,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                 if progress is not None:
                     progress(done, total, plan.name)
             for name, (reason, nbytes) in source.dropped.items():
-                reports[name] = TensorReport(name, tuple(source.file(source._where[name]).shape(name)),
+                reports[name] = TensorReport(name, source.file(source._where[name]).entries[name].shape,
                                              "activation scale", "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
             config = _config(family, strategy, source, plans)
             aux = source.aux_files if source.path.is_dir() else []
             if config is not None and single:
                 config = None  # a single file has nowhere to put it
-            rep.files = out.commit(protos, config, [] if single else aux)
+            rep.files = out.commit(config, [] if single else aux)
         except BaseException:
             out.abort()
             raise
@@ -611,7 +490,7 @@ def _convert_one(source: Source, plan: TensorPlan, out: _Output, family: str) ->
 
     result, step = execute(step, src, x_fn)
     proto = TensorProto(st.shape, step.out_dtype, step.out_q if isinstance(result, QuantizedTensorStorage) else None)
-    out.write(plan, result, proto)
+    out.write(plan, result)
     target_fmt = _fmt(proto.quantizer, step.out_dtype, family)
     quantized_src = isinstance(src, QuantizedTensorStorage)
     primary = x_fn if quantized_src else (lambda: src)  # a plain source is compared as it is (no copy)

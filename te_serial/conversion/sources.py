@@ -36,12 +36,12 @@ from typing import Any
 import torch
 
 from .. import numerics as nx
-from ..errors import (CheckpointError, CheckpointFileError, ChecksumError, TensorMismatchError,
-                      UnknownLayoutError)
+from ..errors import CheckpointError, CheckpointFileError, UnknownLayoutError
 from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer
 from ..proto import TensorProto
-from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, checksum
-from ._safetensors import TMP_PREFIX, SafetensorsFile
+from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
+from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
+from ..checkpoint.reader import Checkpoint
 from .targets import describe_dtype, describe_quantizer, usage_label
 
 __all__ = ["SourceTensor", "Source", "open_source", "detect_layout", "INDEX_NAME", "LAYOUTS"]
@@ -140,19 +140,18 @@ class Source:
 # --- te-serial ------------------------------------------------------------------------------------
 
 class TeSerialSource(Source):
+    """A te-serial checkpoint, read through the one reader (:class:`~te_serial.Checkpoint`): whatever
+    ``load_quantized`` refuses, conversion refuses too. Buffers are read into fresh memory."""
+
     layout = "te-serial"
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
         super().__init__(path)
-        from ..checkpoint.reader import Checkpoint
-        ckpt = Checkpoint(path)  # validates the manifest and the file sizes
-        ckpt.close()
-        self.manifest = manifest = ckpt.manifest
-        self.verify = verify
-        self.root = path if path.is_dir() else path.parent
+        self.ckpt = Checkpoint(path)
+        self.manifest = manifest = self.ckpt.manifest
+        self.verify = verify and manifest.checksums is not None
         self.tree = manifest.tree
         self.metadata = dict(manifest.metadata)
-        self._checked: set[str] = set()
         names = manifest.names
         aliases = {names[i]: names[j] for i, j in manifest.aliases.items()}
         for name in manifest.tensors:
@@ -166,36 +165,11 @@ class TeSerialSource(Source):
             if (path / CONFIG_NAME).is_file():  # a model directory converted to te-serial keeps its config
                 self.config = _read_json(path / CONFIG_NAME)
 
-    def _open(self, fname: str) -> SafetensorsFile:
-        f = self._files.get(fname)
-        if f is None:
-            p = self.path if fname == SELF_FILE else self.root / fname
-            f = self._files[fname] = SafetensorsFile(p)
-        return f
-
     def load(self, name: str) -> torch.Tensor:
-        st = self.tensors[name]
-        entry = st.keys["entry"]
-        raw = {}
-        for bname, b in entry.buffers.items():
-            f = self._open(b.file)
-            if b.key not in f:
-                raise TensorMismatchError(f"buffer {bname} (key {b.key!r}) is not in the file", file=str(f.path),
-                                          tensor=name, field=bname)
-            if f.shape(b.key) != tuple(b.shape) or f.dtype(b.key) != b.dtype:
-                raise TensorMismatchError(f"buffer {bname} is {f.dtype(b.key)}{list(f.shape(b.key))} in the file "
-                                          f"but {b.dtype}{list(b.shape)} in the manifest", file=str(f.path),
-                                          tensor=name, field=bname)
-            t = f.read(b.key)
-            if self.verify and b.checksum is not None and checksum(t) != b.checksum:
-                raise ChecksumError(f"buffer {bname} does not match its checksum", file=str(f.path),
-                                    tensor=name, field=bname)
-            raw[bname] = t
-        proto = entry.proto
-        if proto.quantizer is None:
-            return raw[PLAIN_BUFFER]
-        specs = proto.buffer_specs()
-        return proto.assemble({n: t.view(specs[n].dtype) for n, t in raw.items()})
+        return self.ckpt.get(name, verify=self.verify, mmap=False)
+
+    def close(self) -> None:
+        self.ckpt.close()
 
 
 # --- safetensors-based layouts (plain, DeepSeek, compressed-tensors) ---------------------------
@@ -208,8 +182,8 @@ class SafetensorsSource(Source):
         super().__init__(path)
         self.config = config
         self.dtype = dtype
-        for p in files:
-            self._files[str(p)] = SafetensorsFile(p)
+        for p in files:  # a model directory may be a hub cache, whose files are symlinks
+            self._files[str(p)] = SafetensorsFile(p, follow_symlinks=True)
         # key → file, in the order the index (or the single file) lists them
         where: dict[str, str] = {}
         if key_files is None:
@@ -234,8 +208,8 @@ class SafetensorsSource(Source):
 
     # -- classification ------------------------------------------------------------------------
     def _info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int]:
-        f = self._files[self._where[key]]
-        return f.dtype(key), f.shape(key), f.nbytes(key)
+        e = self._files[self._where[key]].entries[key]
+        return e.dtype, e.shape, e.nbytes
 
     def _fail(self, message: str, key: str | None = None) -> None:
         file = self._where.get(key, str(self.path)) if key else str(self.path)
@@ -464,7 +438,8 @@ def _read_json(path: Path) -> dict:
 
 def _has_manifest(path: Path) -> bool:
     try:
-        return HEADER_KEY in SafetensorsFile(path).metadata
+        with SafetensorsFile(path, follow_symlinks=True) as f:
+            return HEADER_KEY in f.metadata
     except CheckpointError:
         return False
 

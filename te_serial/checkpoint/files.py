@@ -1,0 +1,524 @@
+"""Safetensors files, the one way te-serial touches them: open, validate the header, read, write, commit.
+
+Every path that reads or writes checkpoint files goes through here: ``load_quantized`` / ``open`` /
+``verify`` / ``read_protos``, ``save_quantized`` / :class:`~te_serial.CheckpointWriter`, and
+``convert`` (its sources and its outputs in every layout).
+
+* :func:`read_header` is the one header validator: every field is type-checked before it is
+  used, duplicate JSON keys are refused, entries must tile the data section exactly, and the work
+  is bounded by the header's size.
+* :class:`SafetensorsFile` opens a file without following a symlink (unless asked), keeps one
+  descriptor, and reads a buffer either as a view of a private mmap (CPU loads: no copy) or into
+  fresh memory (streaming conversion: the process does not grow with the file).
+* :class:`ShardSet` plans the files of a checkpoint from the (key, shape, dtype) of every buffer,
+  before any data exists, then streams each buffer to its offset. Shards follow Hugging Face's
+  rule: a shard holds buffers in order until the next one would take it over the limit, and goes
+  over only when a single buffer is larger than the limit (it then stands alone).
+* Files are written under temporary names (:data:`TMP_PREFIX`), fsync'd, renamed into place;
+  the caller's manifest (or index) rename is the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+import xxhash
+
+from ..dtypes import dtype_from_code, safetensors_code
+from ..errors import CheckpointError, CheckpointFileError
+
+__all__ = ["TMP_PREFIX", "MAX_HEADER_BYTES", "Entry", "Header", "read_header", "SafetensorsFile",
+           "ShardSet", "checksum", "fsync_path", "is_leftover", "atomic_write", "tensor_bytes"]
+
+TMP_PREFIX = ".te_serial-tmp-"
+#: safetensors' own limit on the header's JSON
+MAX_HEADER_BYTES = 100 << 20
+#: most dims a stored shape may have (safetensors has no limit; no tensor te-serial writes has more)
+MAX_NDIM = 64
+_ENTRY_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+def checksum(t: torch.Tensor) -> int:
+    """XXH3-64 of a CPU tensor's bytes in C order (xxHash: memory speed; not a security hash)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(tensor_bytes(flat))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor in C order (a view when it is already contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name, fsync'd, then renamed into place."""
+    tmp = path.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{path.name}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def is_leftover(name: str) -> bool:
+    """A temporary file of an interrupted te-serial write (never part of a committed checkpoint)."""
+    return name.startswith(TMP_PREFIX)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: its dtype, shape and byte range in the data section."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class Header(NamedTuple):
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+    size: int
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_int(v) -> bool:
+    return type(v) is int  # noqa: E721 - bool and float are refused on purpose
+
+
+def read_header(fd: int, path: str, size: int) -> Header:
+    """The checked header of the safetensors file open at ``fd`` (``size`` bytes long).
+
+    Refused with :class:`CheckpointFileError` naming the file and the entry: a header length
+    that does not fit, JSON that is invalid, deeper than Python parses, or has duplicate keys;
+    ``__metadata__`` that is not string → string; an entry that is not exactly ``dtype`` (a code
+    te-serial knows), ``shape`` (at most 64 non-negative ints) and ``data_offsets`` (two ints);
+    byte ranges that do not match shape × dtype or do not tile the data section without gaps
+    or overlaps.
+    """
+    def fail(message: str, field: str | None = None):
+        raise CheckpointFileError(message, file=path, field=field)
+
+    head = os.pread(fd, 8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or n > MAX_HEADER_BYTES or n > size - 8:
+        fail(f"safetensors header length {n} does not fit the file ({size} bytes)")
+    raw = _pread_exact(fd, n, 8, path)
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        fail(f"unreadable safetensors header: {type(e).__name__}: {e}")
+    if not isinstance(header, dict):
+        fail("safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        fail("safetensors __metadata__ must map strings to strings", "__metadata__")
+    data_len = size - 8 - n
+    entries: dict[str, Entry] = {}
+    for key, info in header.items():
+        if not isinstance(info, dict) or info.keys() != _ENTRY_FIELDS:
+            fail("safetensors entry must have exactly dtype, shape and data_offsets", key)
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = dtype_from_code(code) if isinstance(code, str) else None
+        if dtype is None:
+            fail(f"safetensors entry has dtype {code!r}, which te-serial does not read", key)
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape)):
+            fail("safetensors entry shape must be a list of at most 64 non-negative integers", key)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            fail("safetensors entry data_offsets must be two integers", key)
+        start, end = offsets
+        if not 0 <= start <= end <= data_len:
+            fail(f"safetensors entry data_offsets {offsets} lie outside the {data_len}-byte data section", key)
+        count = 1
+        for s in shape:  # bounded: stops as soon as the count exceeds what the range can hold
+            count *= s
+            if count * dtype.itemsize > end - start:
+                break
+        if count * dtype.itemsize != end - start:
+            fail(f"safetensors entry holds {end - start} bytes but its shape {shape} and dtype {code} "
+                 "need a different number", key)
+        entries[key] = Entry(dtype, tuple(shape), start, end)
+    end = 0  # as safetensors requires: buffers tile the data section, no gaps, no overlaps
+    for key, e in sorted(entries.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if e.start != end:
+            fail("safetensors entry overlaps another or leaves a gap", key)
+        end = e.end
+    if end != data_len:
+        fail(f"safetensors data section is {data_len} bytes but its entries cover {end}")
+    return Header(entries, meta, 8 + n, size)
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise CheckpointFileError(f"file ends {n - got} bytes early", file=path)
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def open_regular(path: Path, *, follow_symlinks: bool = False) -> tuple[int, int]:
+    """(descriptor, size) of a regular file; a symlink (unless followed), FIFO or device is refused."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not follow_symlinks and path.is_symlink():
+            raise CheckpointFileError("is a symbolic link; te-serial does not follow links inside a "
+                                      "checkpoint", file=str(path))
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CheckpointFileError("file is missing", file=str(path)) from None
+    except OSError as e:
+        raise CheckpointFileError(f"cannot open: {e.strerror or e}", file=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointFileError("not a regular file", file=str(path))
+    return fd, st.st_size
+
+
+class SafetensorsFile:
+    """One safetensors file: its checked header, and its buffers read as mmap views or fresh copies."""
+
+    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = False) -> None:
+        self.path = Path(path)
+        self._fd, size = open_regular(self.path, follow_symlinks=follow_symlinks)
+        self._storage: torch.UntypedStorage | None = None
+        try:
+            self.header = read_header(self._fd, str(self.path), size)
+        except BaseException:
+            self.close()
+            raise
+        self.entries = self.header.entries
+        self.metadata = self.header.metadata
+
+    @property
+    def size(self) -> int:
+        return self.header.size
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def _entry(self, key: str) -> Entry:
+        e = self.entries.get(key)
+        if e is None:
+            raise CheckpointFileError("tensor is not in the file", file=str(self.path), field=key)
+        return e
+
+    def mapped(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The buffer as a view of the file's private mmap (no copy; writes stay in memory), as
+        ``dtype`` (same item size) if given; a fresh copy where the offset is not aligned."""
+        e = self._entry(key)
+        dtype = dtype or e.dtype
+        start = self.header.data_start + e.start
+        if start % dtype.itemsize or e.nbytes == 0:
+            return self.read(key).view(dtype)
+        if self._storage is None:
+            # the descriptor's own file, so a path swapped after the checks cannot be mapped instead
+            proc = f"/proc/self/fd/{self._fd}"
+            src = proc if os.path.exists(proc) else str(self.path)
+            try:
+                self._storage = torch.UntypedStorage.from_file(src, shared=False, nbytes=self.header.size)
+            except RuntimeError as e:
+                raise CheckpointFileError(f"cannot map the file: {e}", file=str(self.path)) from None
+        strides, step = [], 1
+        for dim in reversed(e.shape):
+            strides.append(step)
+            step *= dim
+        return torch.empty(0, dtype=dtype).set_(self._storage, start // dtype.itemsize, e.shape,
+                                                tuple(reversed(strides)))
+
+    def read(self, key: str) -> torch.Tensor:
+        """The buffer in fresh (unmapped) memory: the process does not keep the file's pages."""
+        e = self._entry(key)
+        out = torch.empty(e.shape, dtype=e.dtype)
+        if e.nbytes:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            offset, got = self.header.data_start + e.start, 0
+            while got < e.nbytes:
+                try:
+                    n = os.preadv(self._fd, [view[got:]], offset + got)
+                except OSError as err:
+                    raise CheckpointFileError(f"cannot read: {err}", file=str(self.path), field=key) from None
+                if not n:
+                    raise CheckpointFileError(f"file ends inside the tensor ({got} of {e.nbytes} bytes)",
+                                              file=str(self.path), field=key)
+                got += n
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._storage = None  # tensors handed out keep their mapping alive
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
+    """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    header.update(entries)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    size = max(len(raw), pad_to)
+    size += (-size) % 8
+    return raw + b" " * (size - len(raw))
+
+
+class _PlannedFile:
+    """One output file: entries laid out before any data exists; the header written first, or last
+    into a reserved space when it depends on the data."""
+
+    def __init__(self, final: Path, items: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: Mapping[str, str] | None, reserve: int | None) -> None:
+        self.final = final
+        self.tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}")
+        order = sorted(range(len(items)), key=lambda i: -items[i][2].itemsize)  # aligned: widest first
+        self.entries: dict[str, dict] = {}
+        self.offsets: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
+        offset = 0
+        for i in order:
+            key, shape, dtype = items[i]
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.entries[key] = {"dtype": safetensors_code(dtype), "shape": list(shape),
+                                 "data_offsets": [offset, offset + nbytes]}
+            self.offsets[key] = (tuple(shape), dtype, offset)
+            offset += nbytes
+        self.data_bytes = offset
+        self.metadata = metadata
+        self.reserve = reserve
+        placeholder = {"": "A" * reserve} if reserve is not None else metadata
+        self.header_len = len(header_bytes(self.entries, placeholder))
+        self.fd = -1
+        self.written: set[str] = set()
+
+    @property
+    def size(self) -> int:
+        return 8 + self.header_len + self.data_bytes
+
+    def open(self) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            os.ftruncate(self.fd, self.size)
+
+    def write(self, key: str, data: memoryview) -> None:
+        self.open()
+        _pwrite_all(self.fd, data, 8 + self.header_len + self.offsets[key][2])
+        self.written.add(key)
+
+    def finish(self, metadata: Mapping[str, str] | None = None) -> int:
+        """Write the header, fsync and close (the file stays at its temporary name); returns its size."""
+        missing = set(self.offsets) - self.written
+        if missing:
+            raise CheckpointError(f"{len(missing)} planned buffers were never written, e.g. {sorted(missing)[0]!r}",
+                                  file=str(self.final))
+        self.open()
+        header = header_bytes(self.entries, metadata if self.reserve is not None else self.metadata,
+                              pad_to=self.header_len)
+        if len(header) != self.header_len:  # the data-dependent header outgrew its room: rewrite
+            self._rewrite(header)
+        else:
+            _pwrite_all(self.fd, memoryview(len(header).to_bytes(8, "little") + header), 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        return self.size
+
+    def _rewrite(self, header: bytes) -> None:
+        """Copy the data behind a larger header (rare: only when a reserve was too small)."""
+        new = self.tmp.with_name(self.tmp.name + ".grow")
+        fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _pwrite_all(fd, memoryview(len(header).to_bytes(8, "little") + header), 0)
+            src_off, dst_off, left = 8 + self.header_len, 8 + len(header), self.data_bytes
+            while left:
+                n = os.copy_file_range(self.fd, fd, left, src_off, dst_off)
+                if not n:
+                    raise CheckpointError("short copy while growing a header", file=str(self.final))
+                src_off, dst_off, left = src_off + n, dst_off + n, left - n
+        except BaseException:
+            os.close(fd)
+            new.unlink(missing_ok=True)
+            raise
+        os.close(self.fd)
+        os.replace(new, self.tmp)
+        self.fd, self.header_len = fd, len(header)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+class ShardSet:
+    """The safetensors files of one checkpoint, planned up front and written buffer by buffer.
+
+    ``layout``: (key, shape, dtype) of every buffer, in checkpoint order. ``shard_name(i, n)``
+    names shard ``i`` of ``n`` (ignored with ``single``, the one file's path). ``metadata`` goes
+    in every header; with ``reserve`` (single file only) the header is written at :meth:`finish`
+    and its metadata may depend on the data. :meth:`write` streams one buffer to its offset
+    (and returns its checksum when asked); :meth:`finish` fsyncs everything, :meth:`commit`
+    renames the files to their final names.
+    """
+
+    def __init__(self, root: Path, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *,
+                 limit: int, shard_name: Callable[[int, int], str], single: Path | None = None,
+                 metadata: Mapping[str, str] | None = None, reserve: int | None = None) -> None:
+        self.root = root
+        groups: list[list] = [[]]
+        used = 0
+        seen: set[str] = set()
+        for key, shape, dtype in layout:
+            if key in seen or key == "__metadata__":
+                raise CheckpointError("two buffers would have the same safetensors key"
+                                      if key in seen else "a tensor cannot be named __metadata__", field=key)
+            seen.add(key)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if single is None and groups[-1] and used + nbytes > limit:
+                groups.append([])
+                used = 0
+            groups[-1].append((key, tuple(shape), dtype))
+            used += nbytes
+        n = len(groups)
+        finals = [single] if single is not None else [root / shard_name(i, n) for i in range(n)]
+        self.files = [_PlannedFile(final, items, metadata, reserve) for final, items in zip(finals, groups)]
+        self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
+        self._hasher: ThreadPoolExecutor | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [f.final.name for f in self.files]
+
+    def planned(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        f = self.files[self.file_of[key]]
+        shape, dtype, _ = f.offsets[key]
+        return shape, dtype
+
+    def write(self, key: str, t: torch.Tensor, *, with_checksum: bool = False) -> int | None:
+        """Write one buffer (shape and dtype as planned) at its offset; its XXH3-64 if asked."""
+        i = self.file_of.get(key)
+        if i is None:
+            raise CheckpointError("buffer is not in the planned layout", field=key)
+        f = self.files[i]
+        shape, dtype, _ = f.offsets[key]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise CheckpointError(f"buffer is {t.dtype}{list(t.shape)}, the plan says {dtype}{list(shape)}",
+                                  file=str(f.final), field=key)
+        if key in f.written:
+            raise CheckpointError("buffer written twice", file=str(f.final), field=key)
+        data = tensor_bytes(t)
+        if not with_checksum:
+            f.write(key, data)
+            return None
+        if self._hasher is None:  # xxhash and pwrite both release the GIL: hash while writing
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
+        digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
+        f.write(key, data)
+        return digest.result()
+
+    def finish(self, metadata: Mapping[str, str] | None = None) -> dict[str, int]:
+        """fsync every file (``metadata``: the data-dependent header of a single file); name → size."""
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
+        return {f.final.name: f.finish(metadata) for f in self.files}
+
+    def commit(self) -> None:
+        """Rename every file to its final name (invisible to readers until a manifest names them)."""
+        for f in self.files:
+            os.replace(f.tmp, f.final)
+
+    def abort(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
+        for f in self.files:
+            f.abort()
+
+
+def clean_directory(root: Path, keep: set[str], ours: re.Pattern, *, leftovers: bool = True) -> None:
+    """After a commit: remove files of te-serial's own naming (``ours``, and with ``leftovers`` any
+    temporary file of an interrupted write) that the committed manifest does not name. Nothing
+    else is touched."""
+    for p in root.iterdir():
+        name = p.name
+        if name in keep or not ((leftovers and is_leftover(name)) or ours.fullmatch(name)):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                for child in p.iterdir():
+                    child.unlink(missing_ok=True)
+                p.rmdir()
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass  # removed by the next save
