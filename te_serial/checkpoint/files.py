@@ -453,6 +453,7 @@ class ShardSet:
         self.files = [_PlannedFile(final, items, metadata, reserve) for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
         self._hasher: ThreadPoolExecutor | None = None
+        self._renamed: list[Path] = []
 
     @property
     def names(self) -> list[str]:
@@ -496,13 +497,18 @@ class ShardSet:
         """Rename every file to its final name (invisible to readers until a manifest names them)."""
         for f in self.files:
             os.replace(f.tmp, f.final)
+            self._renamed.append(f.final)
 
     def abort(self) -> None:
+        """Remove every file written, renamed ones too (a failure before the manifest's commit)."""
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
             self._hasher = None
         for f in self.files:
             f.abort()
+        for final in self._renamed:
+            final.unlink(missing_ok=True)
+        self._renamed = []
 
 
 def clean_directory(root: Path, keep: set[str], ours: re.Pattern, *, leftovers: bool = True) -> None:

@@ -445,9 +445,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                     continue
                 try:
                     reports[plan.name], protos[plan.name] = _convert_one(source, plan, out, family)
+                except CheckpointError:
+                    raise  # the reader's own error (file, tensor, field), whatever reads it
                 except TeSerialError as e:
-                    if isinstance(e, CheckpointError) and e.tensor is not None:
-                        raise
                     raise ConversionError(str(e), file=_file_of(source, st), tensor=plan.name) from e
                 except (RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
                     raise ConversionError(f"{type(e).__name__}: {e}", file=_file_of(source, st),
