@@ -1,21 +1,25 @@
 """Golden checkpoints (schema/golden/): every te-serial must read format v1 exactly.
 
-Each ``<name>.safetensors`` was written once by tools/make_golden.py, next to
-``<name>.expected.json`` holding what a reader must get: per tensor its prototype, each buffer's
-key, shape, dtype and xxh3_64, the xxh3_64 of ``dequantize(torch.float32)``, and the tree with
-its plain values. These tests read the files through te-serial (``open``, ``load_quantized``,
-``verify``) and, independently, with plain ``safetensors`` + ``msgpack`` following
-schema/README.md. They never regenerate anything: a failure here means a reader change broke
-v1 compatibility (or a golden file was changed), not that the goldens need refreshing.
+Each ``<name>.safetensors`` (or, for a directory checkpoint, ``<name>/``) was written once by
+tools/make_golden.py, next to ``<name>.expected.json`` holding what a reader must get: per tensor
+its prototype, each buffer's key, shape, dtype, xxh3_64 (and shard), the xxh3_64 of
+``dequantize(torch.float32)``, and the tree with its plain values. Ten files are frozen at format
+1.0, the later ones at 1.1 (:data:`GOLDENS`); every version must keep reading all of them. These
+tests read the files through te-serial (``open``, ``load_quantized``, ``verify``) and,
+independently, with plain ``safetensors`` + ``msgpack`` following schema/README.md. They never
+regenerate anything: a failure here means a reader change broke v1 compatibility (or a golden file
+was changed), not that the goldens need refreshing.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import msgpack
@@ -31,17 +35,34 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "schema" / "golden"
 README = ROOT / "schema" / "README.md"
 
-#: every golden checkpoint; removing one (or its record) must fail CI
-GOLDEN_NAMES = (
-    "fp8_delayed", "fp8_current_e4m3", "fp8_current_e5m2", "mxfp8_1x32", "mxfp8_2d",
-    "fp8_blockwise_1d", "fp8_blockwise_2d", "nvfp4_1d", "nvfp4_2d", "mixed",
-)
+#: every golden checkpoint and the format version it was frozen at; removing one (or its record)
+#: must fail CI
+GOLDENS = {
+    "fp8_delayed": (1, 0), "fp8_current_e4m3": (1, 0), "fp8_current_e5m2": (1, 0), "mxfp8_1x32": (1, 0),
+    "mxfp8_2d": (1, 0), "fp8_blockwise_1d": (1, 0), "fp8_blockwise_2d": (1, 0), "nvfp4_1d": (1, 0),
+    "nvfp4_2d": (1, 0), "mixed": (1, 0),
+    "dir_two_shards": (1, 1), "tied_quantized": (1, 1), "nvfp4_rht_columnwise": (1, 1), "no_checksums": (1, 1),
+    "extra_state_enum": (1, 1),
+}
+GOLDEN_NAMES = tuple(GOLDENS)
+#: goldens in the directory layout (te_serial.msgpack + shards); the others are single files
+DIRECTORY_GOLDENS = {"dir_two_shards"}
 #: the quantizer kinds and storage classes the goldens must cover between them
 KINDS = {"fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_blockwise", "nvfp4"}
-MAX_GOLDEN_BYTES = 320_000
+MAX_GOLDEN_BYTES = 400_000
 
 HEADER_KEY = "te_serial.manifest"
-TENSOR_EXT, TUPLE_EXT = 1, 2
+MANIFEST_NAME = "te_serial.msgpack"
+MANIFEST_CHECKSUM = "manifest_checksum"
+TENSOR_EXT, TUPLE_EXT, TE_EXTRA_STATE_EXT = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TEExtra:
+    """A TE ``_extra_state`` (msgpack ext type 3; ``{"$te_extra_state": ...}`` in the records): the
+    decoded state, tensors as ``("$tensor", name)`` markers."""
+
+    state: dict
 
 
 # --- helpers independent of te-serial ------------------------------------------------------------
@@ -66,6 +87,8 @@ def decode_value(v):
             return float.fromhex(x)
         if tag == "$bytes":
             return bytes.fromhex(x)
+        if tag == "$te_extra_state":
+            return TEExtra(decode_value(x))
         raise AssertionError(f"unknown tag {tag}")
     if isinstance(v, list):
         return [decode_value(y) for y in v]
@@ -77,6 +100,10 @@ def assert_same_tree(got, want, tensors: dict, path: str = "<root>") -> None:
     markers must be the very objects ``tensors[name]``."""
     if isinstance(want, tuple) and len(want) == 2 and want[0] == "$tensor" and isinstance(want[1], str):
         assert got is tensors[want[1]], f"{path}: not the tensor {want[1]!r}"
+        return
+    if isinstance(want, TEExtra):  # see _decode_extra_states: the loaded value, decoded
+        assert type(got) is dict, f"{path}: a TE extra state, got {type(got).__name__}"
+        assert_same_tree(got, want.state, tensors, path)
         return
     assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, dict):
@@ -100,7 +127,23 @@ def record(name: str) -> dict:
 
 
 def golden(name: str) -> Path:
-    return GOLDEN / f"{name}.safetensors"
+    """The checkpoint: ``<name>/`` for a directory golden, else ``<name>.safetensors``."""
+    return GOLDEN / name if name in DIRECTORY_GOLDENS else GOLDEN / f"{name}.safetensors"
+
+
+def has_checksums(rec: dict) -> bool:
+    return rec.get("checksums", True)  # 1.0 records: always saved with checksums
+
+
+def buffer_files(name: str) -> list[Path]:
+    """The safetensors files of a golden, in file-index order."""
+    if name in DIRECTORY_GOLDENS:
+        return [golden(name) / s for s in record(name)["shards"]]
+    return [golden(name)]
+
+
+def _files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
 # --- the files are there and unchanged -----------------------------------------------------------
@@ -108,14 +151,28 @@ def golden(name: str) -> Path:
 def test_golden_files_exist():
     assert GOLDEN.is_dir(), f"{GOLDEN} is missing: golden checkpoints must never be deleted"
     for name in GOLDEN_NAMES:
-        assert golden(name).is_file(), f"golden checkpoint {golden(name)} is missing"
+        if name in DIRECTORY_GOLDENS:
+            assert (golden(name) / MANIFEST_NAME).is_file(), f"golden checkpoint {golden(name)} is missing"
+        else:
+            assert golden(name).is_file(), f"golden checkpoint {golden(name)} is missing"
         assert (GOLDEN / f"{name}.expected.json").is_file(), f"expected record of {name} is missing"
     found = {p.name.removesuffix(".safetensors") for p in GOLDEN.glob("*.safetensors")}
+    found |= {p.name for p in GOLDEN.iterdir() if p.is_dir()}
     recorded = {p.name.removesuffix(".expected.json") for p in GOLDEN.glob("*.expected.json")}
     assert found == recorded, f"golden files without a record or records without a file: {found ^ recorded}"
     assert found >= set(GOLDEN_NAMES)
-    total = sum(p.stat().st_size for p in GOLDEN.iterdir())
+    total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file())
     assert total <= MAX_GOLDEN_BYTES, f"schema/golden is {total} bytes; keep it small"
+
+
+def test_records_match_the_golden_list():
+    for name, version in GOLDENS.items():
+        rec = record(name)
+        assert rec["name"] == name and tuple(rec["version"]) == version, name
+        assert rec.get("layout", "file") == ("directory" if name in DIRECTORY_GOLDENS else "file"), name
+        assert rec["file"] == golden(name).name, name
+    # every format version so far has golden files
+    assert {v for v in GOLDENS.values()} == {(1, 0), (1, 1)}
 
 
 def test_goldens_cover_every_format():
@@ -136,10 +193,49 @@ def test_goldens_cover_every_format():
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_file_unchanged(name):
     rec = record(name)
+    if name in DIRECTORY_GOLDENS:  # the manifest and every shard, and nothing else
+        assert _files_under(golden(name)) == {f["name"] for f in rec["files"]}, \
+            f"{golden(name)} gained or lost files; golden files are immutable"
+        assert [f["name"] for f in rec["files"]] == [MANIFEST_NAME, *rec["shards"]]
+        for f in rec["files"]:
+            data = (golden(name) / f["name"]).read_bytes()
+            assert len(data) == f["bytes"], f["name"]
+            assert "xxh3_64:" + xxhash.xxh3_64(data).hexdigest() == f["xxh3_64"], \
+                f"{golden(name) / f['name']} was modified; golden files are immutable"
+        return
     data = golden(name).read_bytes()
     assert len(data) == rec["file_bytes"]
     assert "xxh3_64:" + xxhash.xxh3_64(data).hexdigest() == rec["file_xxh3_64"], \
         f"{golden(name)} was modified; golden files are immutable"
+
+
+def raw_manifest_bytes(path: Path) -> bytes:
+    """The manifest's msgpack bytes (schema/README.md §1), without te-serial."""
+    if path.is_dir():
+        return (path / MANIFEST_NAME).read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        return base64.b64decode(f.metadata()[HEADER_KEY], validate=True)
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_manifest_checksum(name):
+    """Format 1.1 manifests end with ``manifest_checksum``: a uint64 (msgpack 0xcf, big-endian)
+    equal to XXH3-64 of every manifest byte before it. 1.0 manifests have none."""
+    from te_serial.checkpoint.manifest import sealed
+    rec = record(name)
+    raw = raw_manifest_bytes(golden(name))
+    doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
+    if GOLDENS[name] < (1, 1):
+        assert MANIFEST_CHECKSUM not in doc and MANIFEST_CHECKSUM not in rec
+        assert sealed(raw) is None
+        return
+    trailer = msgpack.packb(MANIFEST_CHECKSUM) + b"\xcf"
+    assert raw[-8 - len(trailer):-8] == trailer, "the manifest's last field is not its uint64 checksum"
+    value = int.from_bytes(raw[-8:], "big")
+    assert value == xxhash.xxh3_64_intdigest(raw[:-8])
+    assert list(doc)[-1] == MANIFEST_CHECKSUM and doc[MANIFEST_CHECKSUM] == value
+    assert rec["manifest_checksum"] == f"xxh3_64:{value:016x}"
+    assert sealed(raw) is True
 
 
 # --- through te-serial ---------------------------------------------------------------------------
@@ -149,8 +245,13 @@ def test_manifest_as_recorded(name):
     rec = record(name)
     with ts.open(golden(name)) as ckpt:
         m = ckpt.manifest
-        assert tuple(m.version) == tuple(rec["version"]) == (1, 0)
+        assert tuple(m.version) == tuple(rec["version"]) == GOLDENS[name]
         assert dict(m.producer) == rec["producer"]
+        if name in DIRECTORY_GOLDENS:
+            assert m.files == {f["name"]: f["bytes"] for f in rec["files"][1:]}
+            assert list(m.files) == rec["shards"]
+        else:
+            assert m.files == {}
         assert ckpt.metadata == rec["metadata"]
         assert ckpt.keys() == list(rec["tensors"])
         protos = ckpt.protos
@@ -172,6 +273,11 @@ def test_manifest_as_recorded(name):
                 assert b.key == wb["key"], (tname, bname)
                 assert list(b.shape) == wb["shape"], (tname, bname)
                 assert b.dtype == getattr(torch, wb["dtype"]), (tname, bname)
+                if name in DIRECTORY_GOLDENS:
+                    assert b.file == wb["file"], (tname, bname)
+                if not has_checksums(rec):
+                    assert b.checksum is None, (tname, bname)
+                    continue
                 assert b.checksum is not None, (tname, bname)
                 cs = b.checksum if isinstance(b.checksum, str) else f"xxh3_64:{b.checksum:016x}"
                 assert cs == wb["xxh3_64"], (tname, bname)
@@ -181,7 +287,7 @@ def test_manifest_as_recorded(name):
 def test_tensors_as_recorded(name):
     rec = record(name)
     with ts.open(golden(name)) as ckpt:
-        loaded = ckpt.load_tensors(verify=True)
+        loaded = ckpt.load_tensors(verify=has_checksums(rec))
     assert list(loaded) == list(rec["tensors"])
     for tname, want in rec["tensors"].items():
         t = loaded[tname]
@@ -213,6 +319,8 @@ def _leaves_of(obj, want) -> dict:
     def walk(w, g):
         if isinstance(w, tuple) and len(w) == 2 and w[0] == "$tensor" and isinstance(w[1], str):
             out[w[1]] = g
+        elif isinstance(w, TEExtra):
+            walk(w.state, g)
         elif isinstance(w, dict) and isinstance(g, dict):
             for k in w:
                 if k in g:
@@ -225,13 +333,39 @@ def _leaves_of(obj, want) -> dict:
     return out
 
 
+def _decode_extra_states(obj, want):
+    """``obj`` with the value loaded at each TE extra state's place (``TEExtra`` in ``want``) as its
+    decoded state. With TE importable, te-serial loads TE's own bytes (a uint8 tensor), decoded
+    here by te-serial's restricted decoder (nothing is unpickled); without TE it returns the
+    decoded dict itself."""
+    from te_serial.te_extra_state import decode_te_extra_state
+    if isinstance(want, TEExtra):
+        if isinstance(obj, torch.Tensor):
+            assert obj.dtype == torch.uint8 and obj.dim() == 1
+            obj = decode_te_extra_state(obj)
+        return _decode_extra_states(obj, want.state)
+    if isinstance(want, dict) and isinstance(obj, dict):
+        return {k: _decode_extra_states(v, want[k]) if k in want else v for k, v in obj.items()}
+    if isinstance(want, (list, tuple)) and isinstance(obj, (list, tuple)) and len(want) == len(obj):
+        return type(obj)(_decode_extra_states(v, w) for v, w in zip(obj, want))
+    return obj
+
+
+def _load_tree(name: str, want):
+    rec = record(name)
+    with warnings.catch_warnings():  # without TE, extra states come back decoded, with a warning
+        warnings.filterwarnings("ignore", message=r"te-serial: TE extra state .*returned decoded")
+        obj = ts.load_quantized(golden(name), verify=has_checksums(rec))
+    return _decode_extra_states(obj, want)
+
+
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_tree_as_recorded(name):
     """load_quantized gives back the saved structure: keys (and their types) in order, tuples as
     tuples, every plain value exactly, and the recorded tensor at each tensor's place."""
     rec = record(name)
     want = decode_value(rec["tree"])
-    obj = ts.load_quantized(golden(name), verify=True)
+    obj = _load_tree(name, want)
     leaves = _leaves_of(obj, want)
     assert set(leaves) == set(rec["tensors"])
     for n, t in leaves.items():
@@ -251,12 +385,143 @@ def test_tied_tensors_come_back_as_one():
     assert rec["head.weight"]["buffers"]["data"]["key"] == "emb.weight"
 
 
+def test_tied_quantized_tensors_come_back_as_one():
+    """A quantized tensor under two names is stored once (the second row an alias using the
+    first's keys) and loads as one object, a Parameter still; an equal-prototype tensor that is
+    not tied stays separate."""
+    rec = record("tied_quantized")["tensors"]
+    for alias, first in (("lm_head.weight", "embed.weight"), ("layers.1.proj", "layers.0.proj"),
+                         ("pos_out.weight", "pos.weight")):
+        assert rec[alias]["buffers"] == rec[first]["buffers"], alias
+        assert all(b["key"].startswith(first) for b in rec[alias]["buffers"].values()), alias
+    assert rec["embed.weight"]["quantizer"]["kind"] == "mxfp8" and rec["layers.0.proj"]["quantizer"]["kind"] == "nvfp4"
+    doc = msgpack.unpackb(raw_manifest_bytes(golden("tied_quantized")), ext_hook=_ext_hook, raw=False,
+                          strict_map_key=False)
+    names = doc["tensors"]["names"]
+    assert sorted((names[i], names[j]) for i, j in doc["tensors"]["aliases"]) == \
+        [("layers.1.proj", "layers.0.proj"), ("lm_head.weight", "embed.weight"), ("pos_out.weight", "pos.weight")]
+    obj = ts.load_quantized(golden("tied_quantized"), verify=True)
+    assert obj["lm_head"]["weight"] is obj["embed"]["weight"]
+    assert obj["embed"]["weight"].requires_grad  # saved from a Parameter
+    assert isinstance(obj["embed"]["weight"], ts.MXFP8Tensor)
+    assert obj["layers"][1]["proj"] is obj["layers"][0]["proj"]
+    assert isinstance(obj["layers"][0]["proj"], ts.NVFP4Tensor)
+    assert obj["pos_out"]["weight"] is obj["pos"]["weight"]
+    other = obj["layers"][0]["other"]
+    assert other is not obj["embed"]["weight"]
+    assert ts.to_tensor_proto(other).shape == ts.to_tensor_proto(obj["embed"]["weight"]).shape
+    with ts.open(golden("tied_quantized")) as ckpt:  # the lazy handle ties them too
+        assert ckpt.get("lm_head.weight") is not None
+
+
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_verify_passes(name):
     rec = record(name)
+    if not has_checksums(rec):
+        pytest.skip("saved without checksums: test_no_checksums")
     distinct = {b["key"] for t in rec["tensors"].values() for b in t["buffers"].values()}
     checked = ts.verify(golden(name))
     assert checked >= len(distinct)
+
+
+def test_no_checksums():
+    """Saved with checksums=False: tensors.checksums is nil; the checkpoint loads exactly, and
+    verify (or verify=True) says there is nothing to check against (ChecksumError), not that it
+    passed."""
+    rec = record("no_checksums")
+    assert rec["checksums"] is False
+    doc = msgpack.unpackb(raw_manifest_bytes(golden("no_checksums")), ext_hook=_ext_hook, raw=False,
+                          strict_map_key=False)
+    assert "checksums" in doc["tensors"] and doc["tensors"]["checksums"] is None
+    obj = ts.load_quantized(golden("no_checksums"))
+    assert obj["step"] == 7
+    assert digest(obj["weight"].dequantize(torch.float32)) == rec["tensors"]["weight"]["dequantized_float32_xxh3_64"]
+    with pytest.raises(ts.ChecksumError, match="saved without checksums"):
+        ts.verify(golden("no_checksums"))
+    with pytest.raises(ts.ChecksumError, match="saved without checksums"):
+        ts.load_quantized(golden("no_checksums"), verify=True)
+
+
+def test_dir_two_shards_splits_one_tensor():
+    """The directory golden has two shards, each within its max_shard_size, and one quantized
+    tensor (NVFP4) whose rowwise buffers are in the first and the rest in the second."""
+    rec = record("dir_two_shards")
+    shards = rec["shards"]
+    assert len(shards) == 2 and all(re.fullmatch(r"model-0123abcd-\d{5}-of-00002\.safetensors", s) for s in shards)
+    limit = int(re.search(r"max_shard_size=(\d+)", rec["description"]).group(1))
+    split = {n for n, t in rec["tensors"].items() if len({b["file"] for b in t["buffers"].values()}) > 1}
+    assert split == {"layers.0.weight"}
+    files = {b: w["file"] for b, w in rec["tensors"]["layers.0.weight"]["buffers"].items()}
+    assert files == {"_rowwise_data": shards[0], "_rowwise_scale_inv": shards[0], "_columnwise_data": shards[1],
+                     "_columnwise_scale_inv": shards[1], "_amax_rowwise": shards[1], "_amax_columnwise": shards[1]}
+    with ts.open(golden("dir_two_shards")) as ckpt:  # te-serial sees the same split
+        assert {b: e.file for b, e in ckpt.manifest.tensors["layers.0.weight"].buffers.items()} == files
+    for i, shard in enumerate(shards):  # and so does any safetensors reader
+        raw = (golden("dir_two_shards") / shard).read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        meta = header.pop("__metadata__")
+        assert meta == {"format": "pt"}
+        data = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in header.values())
+        assert data <= limit, (shard, data)
+        assert {k for k in header if k.startswith("layers.0.weight.")} == \
+            {f"layers.0.weight.{b}" for b, f in files.items() if f == shard}
+    t = ts.load_quantized(golden("dir_two_shards"), verify=True)["layers"][0]["weight"]
+    assert digest(t.dequantize(torch.float32)) == \
+        rec["tensors"]["layers.0.weight"]["dequantized_float32_xxh3_64"]
+
+
+def test_extra_state_enum_tree():
+    """The TE _extra_state is msgpack ext type 3 whose payload decodes to the recorded state: the
+    recipe as plain data with its enum field as {"__enum__": "Format", "name": "E4M3"}, the scales
+    and amax histories as tensor references (ext type 1), the extra variables as plain values."""
+    doc = msgpack.unpackb(raw_manifest_bytes(golden("extra_state_enum")), ext_hook=_ext_hook, raw=False,
+                          strict_map_key=False)
+    extra = doc["tree"]["fc1._extra_state"]
+    assert isinstance(extra, TEExtra)
+    recipe = extra.state["recipe"]
+    assert recipe["__class__"] == "DelayedScaling"
+    assert recipe["fields"]["fp8_format"] == {"__enum__": "Format", "name": "E4M3"}
+    for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert extra.state[k] == ("$tensor", f"fc1._extra_state.{k}")
+    assert extra.state["extra_fp8_variables"]["fp8_group_sizes"] == (1, 2)
+    assert doc["tree"]["fc2._extra_state"] == ("$tensor", "fc2._extra_state")  # stateless: a plain empty tensor
+    assert record("extra_state_enum")["tensors"]["fc2._extra_state"]["shape"] == [0]
+    assert extra == decode_value(record("extra_state_enum")["tree"])["fc1._extra_state"]
+
+
+def test_extra_state_enum_loads_as_te_bytes():
+    """With TE importable (on CPU through tests/te_shim.py), the extra state comes back as TE's own
+    ``_extra_state`` bytes, and they hold the recorded recipe (enum member included) and tensors."""
+    import te_shim
+    if te_shim.install() is None:
+        pytest.skip("transformer-engine wheel not installed")
+    from te_serial.te_extra_state import decode_te_extra_state
+    rec = record("extra_state_enum")
+    obj = ts.load_quantized(golden("extra_state_enum"), verify=True)
+    payload = obj["fc1._extra_state"]
+    assert isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8 and payload.dim() == 1
+    state = decode_te_extra_state(payload)
+    want = decode_value(rec["tree"])["fc1._extra_state"].state
+    assert state["recipe"] == want["recipe"]
+    assert state["extra_fp8_variables"] == want["extra_fp8_variables"]
+    for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert digest(state[k]) == rec["tensors"][f"fc1._extra_state.{k}"]["buffers"]["data"]["xxh3_64"], k
+
+
+def test_extra_state_enum_loads_decoded_without_te(monkeypatch):
+    """Where TE is not importable, the decoded state comes back (with a warning), holding the
+    loaded tensors themselves."""
+    import sys
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", None)  # TE not importable
+    rec = record("extra_state_enum")
+    want = decode_value(rec["tree"])
+    with pytest.warns(UserWarning, match="returned decoded"):
+        obj = ts.load_quantized(golden("extra_state_enum"), verify=True)
+    state = obj["fc1._extra_state"]
+    assert isinstance(state, dict)
+    assert_same_tree(obj, want, _leaves_of(obj, want))
+    assert state["recipe"]["fields"]["fp8_format"] == {"__enum__": "Format", "name": "E4M3"}
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
@@ -281,14 +546,13 @@ def _ext_hook(code, data):
         return ("$tensor", data.decode("utf-8"))
     if code == TUPLE_EXT:
         return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+    if code == TE_EXTRA_STATE_EXT:
+        return TEExtra(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
     raise ValueError(f"unknown ext type {code}")
 
 
 def raw_manifest(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    return msgpack.unpackb(base64.b64decode(meta[HEADER_KEY]), ext_hook=_ext_hook, raw=False,
-                           strict_map_key=False)
+    return msgpack.unpackb(raw_manifest_bytes(path), ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
 def raw_buffers(doc: dict) -> dict[str, dict[str, dict]]:
@@ -314,11 +578,15 @@ def test_raw_read_without_te_serial(name):
     rec = record(name)
     doc = raw_manifest(golden(name))
     assert doc["format"] == "te-serial" and doc["version"] == rec["version"]
-    assert doc["files"] == [], "a single-file checkpoint lists no other files"
+    if name in DIRECTORY_GOLDENS:
+        assert doc["files"] == [{"name": f["name"], "size": f["bytes"]} for f in rec["files"][1:]]
+    else:
+        assert doc["files"] == [], "a single-file checkpoint lists no other files"
     assert doc["producer"] == rec["producer"] and doc["metadata"] == rec["metadata"]
     raw = raw_buffers(doc)
     assert list(raw) == list(rec["tensors"])
-    st = load_file(str(golden(name)))
+    paths = buffer_files(name)
+    sts = [load_file(str(p)) for p in paths]
     used = set()
     for tname, want in rec["tensors"].items():
         proto = doc["protos"][doc["tensors"]["protos"][doc["tensors"]["names"].index(tname)]]
@@ -331,17 +599,23 @@ def test_raw_read_without_te_serial(name):
         for bname, wb in want["buffers"].items():
             b = raw[tname][bname]
             assert b["key"] == wb["key"] and b["shape"] == wb["shape"] and b["dtype"] == wb["dtype"]
-            assert b["file"] == 0
-            assert f"xxh3_64:{b['checksum']:016x}" == wb["xxh3_64"]
-            t = st[b["key"]]
+            if name in DIRECTORY_GOLDENS:
+                assert doc["files"][b["file"]]["name"] == wb["file"], (tname, bname)
+            else:
+                assert b["file"] == 0
+            if has_checksums(rec):
+                assert f"xxh3_64:{b['checksum']:016x}" == wb["xxh3_64"]
+            else:
+                assert b["checksum"] is None
+            t = sts[b["file"]][b["key"]]
             assert t.dtype == getattr(torch, wb["dtype"]) and list(t.shape) == wb["shape"]
             assert digest(t) == wb["xxh3_64"], (tname, bname)
-            used.add(b["key"])
+            used.add((b["file"], b["key"]))
         if want["buffers"] and all(b["key"] == (tname if n == "data" else f"{tname}.{n}")
                                    for n, b in want["buffers"].items()):
             continue
         assert "aliases" in doc["tensors"], f"{tname} uses another tensor's keys but is no alias"
-    assert used == set(st), "the file holds keys no tensor uses"
+    assert used == {(i, k) for i, st in enumerate(sts) for k in st}, "a file holds keys no tensor uses"
     if "tree" not in doc:  # the implied tree: a flat dict of every tensor under its own name
         assert decode_value(rec["tree"]) == {n: ("$tensor", n) for n in rec["tensors"]}
     else:
@@ -352,10 +626,11 @@ def test_safetensors_dtypes_on_disk():
     """Generic tools see the true dtypes (README table)."""
     codes = {}
     for name in GOLDEN_NAMES:
-        path = golden(name)
-        raw = path.read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + n])
+        header = {}
+        for path in buffer_files(name):
+            raw = path.read_bytes()
+            n = int.from_bytes(raw[:8], "little")
+            header.update(json.loads(raw[8:8 + n]))
         for tname, want in record(name)["tensors"].items():
             if want["quantizer"] is None:
                 continue

@@ -1,9 +1,12 @@
 """Write te-serial's golden checkpoints (format v1) and their expected records.
 
-    python tools/make_golden.py             # write schema/golden/ (refuses to change existing files)
-    python tools/make_golden.py --force     # overwrite existing golden files
-    python tools/make_golden.py --check     # generate twice into temp dirs; compare with each other
-                                            # and with schema/golden/, byte for byte
+    python tools/make_golden.py             # write the current format version's cases into
+                                            # schema/golden/ (refuses to overwrite existing files)
+    python tools/make_golden.py --force     # overwrite them (cases of older versions: never)
+    python tools/make_golden.py --only NAME # just that case (repeatable; with --force to replace it)
+    python tools/make_golden.py --check     # generate the current version's cases twice in temp dirs;
+                                            # compare with each other and with schema/golden/, byte
+                                            # for byte
     python tools/make_golden.py --out DIR   # write somewhere else
 
 Golden files are the compatibility contract of format v1: every later te-serial must read them
@@ -11,35 +14,53 @@ and get exactly the buffers, dequantized values and tree recorded in ``<name>.ex
 (tests/test_golden.py checks this on every run). So they are written **once** and regenerated
 only on purpose — a regeneration by a later te-serial is a new set of files, not a fix.
 
+Every case is tagged with the format version it was frozen at (:data:`CASES`). Only the cases of
+the current version (``te_serial.checkpoint.manifest.VERSION``) are ever generated or checked: a
+newer writer no longer produces an older version's bytes (format 1.1 ends the manifest with a
+``manifest_checksum`` and lays buffers out differently), so the older cases stay in this file
+only as the record of how their files were made, and their files are never rewritten.
+
 Everything is deterministic: the inputs come from a fixed integer hash of (seed, index) turned
 into floats with exact IEEE arithmetic (no torch RNG, whose streams may change between torch
-releases), names are fixed, and only the single-file form is written (the directory form puts a
-random save id into its shard names). The manifest records the producer's versions (te-serial,
-torch, transformer_engine), so byte-identity holds for one environment.
+releases), names are fixed, and a directory checkpoint's random save id (which goes into its
+shard names) is pinned to :data:`SAVE_ID` while it is written. The manifest records the
+producer's versions (te-serial, torch, transformer_engine), so byte-identity holds for one
+environment.
 
-Expected record (``<name>.expected.json``): the file's size and xxh3_64, the manifest's format,
-version, producer and metadata, per tensor its prototype (shape, dtype, requires_grad, quantizer
-fields, storage, scale_layout) and per buffer its key, shape, dtype (te-serial name and
-safetensors code) and the xxh3_64 of its bytes, the xxh3_64 of ``t.dequantize(torch.float32)``
-for quantized tensors, and the tree with every plain value in a typed JSON encoding:
-``{"$tensor": flat name}``, ``{"$tuple": [...]}``, ``{"$dict": [[key, value], ...]}`` (key order and
-int keys kept), ``{"$float": float.hex()}``, ``{"$bytes": hex}``; ints, bools, None, str and
-lists as themselves. The digests are computed here from the tensors in memory, independently of
-te-serial's reader and checksum code.
+Expected record (``<name>.expected.json``): for a single file its size and xxh3_64; for a
+directory (``"layout": "directory"``, from format 1.1) ``files``: name, size and xxh3_64 of the
+manifest and of every shard, and ``shards``, the shard names in file-index order; the manifest's
+format, version, producer and metadata, and (format 1.1) ``manifest_checksum`` and
+``checksums`` (false when saved with ``checksums=False``); per tensor its prototype (shape,
+dtype, requires_grad, quantizer fields, storage, scale_layout) and per buffer its key, shape,
+dtype (te-serial name and safetensors code), the xxh3_64 of its bytes and, in a directory, the
+shard that holds it; the xxh3_64 of ``t.dequantize(torch.float32)`` for quantized tensors; and
+the tree with every plain value in a typed JSON encoding: ``{"$tensor": flat name}``,
+``{"$tuple": [...]}``, ``{"$dict": [[key, value], ...]}`` (key order and int keys kept),
+``{"$float": float.hex()}``, ``{"$bytes": hex}``, ``{"$te_extra_state": <the decoded state in this
+same encoding>}`` (msgpack ext type 3: a TE module's pickled ``_extra_state``, stored decoded);
+ints, bools, None, str and lists as themselves. The digests are computed here from the tensors in
+memory, independently of te-serial's reader and checksum code.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import json
 import math
+import pickle
 import struct
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+from unittest import mock
 
+import msgpack
 import torch
 import xxhash
 
@@ -47,11 +68,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import te_serial as ts  # noqa: E402
+from te_serial.checkpoint import writer as _writer  # noqa: E402
+from te_serial.checkpoint.manifest import HEADER_KEY, MANIFEST_NAME, VERSION  # noqa: E402
 from te_serial.dtypes import _DTYPES, dtype_name, safetensors_code  # noqa: E402
 
 GOLDEN_DIR = ROOT / "schema" / "golden"
 EXPECTED_SCHEMA = "te-serial-golden-expected/1"
 MASK32 = 0xFFFFFFFF
+#: the save id written into a directory golden's shard names (random per save otherwise)
+SAVE_ID = "0123abcd"
+#: max_shard_size of ``dir_two_shards``: its NVFP4 tensor's rowwise buffers fill the first shard
+DIR_SHARD_LIMIT = 8000
 
 
 # --- deterministic inputs ----------------------------------------------------------------------
@@ -276,18 +303,187 @@ def case_mixed() -> dict:
     }
 
 
-CASES: dict[str, tuple[Callable[[], dict], str]] = {
-    "fp8_delayed": (case_fp8_delayed, "per-tensor FP8, delayed scaling (scale/amax in the quantizer)"),
-    "fp8_current_e4m3": (case_fp8_current_e4m3, "per-tensor FP8 current scaling, E4M3"),
-    "fp8_current_e5m2": (case_fp8_current_e5m2, "per-tensor FP8 current scaling, E5M2 (flat dict: no tree)"),
-    "mxfp8_1x32": (case_mxfp8_1x32, "MXFP8, 1x32 blocks"),
-    "mxfp8_2d": (case_mxfp8_2d, "MXFP8, 32x32 tiles (with_2d_quantization)"),
-    "fp8_blockwise_1d": (case_fp8_blockwise_1d, "blockwise FP8, 1x128 blocks"),
-    "fp8_blockwise_2d": (case_fp8_blockwise_2d, "blockwise FP8, 128x128 blocks (flat dict: no tree)"),
-    "nvfp4_1d": (case_nvfp4_1d, "NVFP4, 1x16 blocks (+ RHT tensors)"),
-    "nvfp4_2d": (case_nvfp4_2d, "NVFP4, 16x16 tiles (with_2d_quantization; flat dict: no tree)"),
-    "mixed": (case_mixed, "plain tensors of every dtype, edge-case tensors, nested tree of plain values"),
+# --- format 1.1 cases ---------------------------------------------------------------------------
+
+def case_dir_two_shards() -> dict:
+    """A directory checkpoint in two shards (max_shard_size=DIR_SHARD_LIMIT): the NVFP4 tensor's
+    rowwise buffers end the first shard, its columnwise buffers and both amaxes open the second."""
+    return {
+        "embed": {"weight": make_input((32, 64), 70, torch.bfloat16)},                  # 4096 B
+        "layers": [{
+            "weight": ts.NVFP4Quantizer()(make_input((64, 64), 71, torch.bfloat16, zero_tile=True,
+                                                     outliers=True)),               # 2048+512 | 2048+512+4+4 B
+            "proj": ts.MXFP8Quantizer(columnwise=False)(make_input((32, 64), 72, torch.bfloat16)),
+            "bias": det_normal((64,), 73),
+        }],
+        "norm": {"weight": make_input((64,), 74, torch.bfloat16)},
+        "step": 3,
+    }
+
+
+def case_tied_quantized() -> dict:
+    """One quantized tensor object under two names (embedding and output head, a Parameter), a
+    tied NVFP4 tensor at two list positions, an untied tensor of the same prototype, and a plain
+    tied pair."""
+    emb = param(ts.MXFP8Quantizer()(make_input((32, 64), 80, torch.bfloat16)))
+    proj = ts.NVFP4Quantizer(columnwise=False)(make_input((16, 32), 81, torch.bfloat16))
+    pos = det_normal((8, 16), 82)
+    return {
+        "embed": {"weight": emb},
+        "layers": [{"proj": proj, "other": ts.MXFP8Quantizer()(make_input((32, 64), 83, torch.bfloat16))},
+                   {"proj": proj}],
+        "lm_head": {"weight": emb},
+        "pos": {"weight": pos},
+        "pos_out": {"weight": pos},
+    }
+
+
+def case_nvfp4_rht_columnwise() -> dict:
+    """Columnwise-only NVFP4 with RHT (bf16 inputs, as TE requires): reading it needs the inverse
+    Hadamard transform. ``rht`` has a post-RHT amax of 284 (and a zero 16x16 tile)."""
+    Q = ts.NVFP4Quantizer
+    kw = {"rowwise": False, "columnwise": True, "with_rht": True, "with_post_rht_amax": True}
+    return {
+        "rht": Q(**kw)(make_input((64, 64), 90, torch.bfloat16, scale=75.0, zero_tile=True)),
+        "rht_no_sign_mask": Q(with_random_sign_mask=False, **kw)(make_input((32, 48), 91, torch.bfloat16)),
+        "rht_3d": Q(**kw)(make_input((2, 16, 32), 92, torch.bfloat16, scale=7.0, outliers=True)),
+    }
+
+
+def case_no_checksums() -> dict:
+    """Saved with checksums=False: the manifest's tensors.checksums is nil."""
+    return {
+        "weight": ts.Float8BlockQuantizer(block_scaling_dim=1)(make_input((16, 128), 100, torch.bfloat16)),
+        "bias": det_normal((16,), 101),
+        "step": 7,
+    }
+
+
+class PickledExtraState:
+    """Where the generator put a TE ``_extra_state`` pickle: the state as it must decode (recipe as
+    plain data, enum members as ``{"__enum__", "name"}``), holding the very tensors pickled."""
+
+    def __init__(self, payload: torch.Tensor, state: dict) -> None:
+        self.payload = payload  # kept alive, so its id is never reused while registered
+        self.state = state
+
+
+#: id(payload tensor) → the state it must decode to (filled by the cases that pickle one)
+_EXTRA_STATES: dict[int, PickledExtraState] = {}
+
+
+def _te_recipe_module():
+    """TE's real ``transformer_engine.common.recipe`` (through tests/te_shim.py on CPU)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import te_shim
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    if te_shim.install() is None:
+        raise SystemExit("extra_state_enum needs the transformer-engine wheel (pip install -e '.[test]')")
+    import transformer_engine.common.recipe as recipe
+    return recipe
+
+
+def _plain_recipe(obj: Any) -> dict:
+    """The decoded form of a TE recipe object, built here from its instance dict."""
+    import enum
+
+    def conv(v):
+        if isinstance(v, enum.Enum):
+            return {"__enum__": type(v).__name__, "name": v.name}
+        return v
+
+    return {"__class__": type(obj).__name__, "fields": {k: conv(v) for k, v in vars(obj).items()}}
+
+
+def te_pickled_extra_state(state: dict) -> torch.Tensor:
+    """TE's ``get_extra_state`` bytes for ``state`` (``pickle.dumps`` into a uint8 tensor)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    decoded = dict(state, recipe=_plain_recipe(state["recipe"]))
+    _EXTRA_STATES[id(payload)] = PickledExtraState(payload, decoded)
+    return payload
+
+
+def case_extra_state_enum() -> dict:
+    """A TE module's state dict: a delayed-scaling ``_extra_state`` (TE's real pickle, with the enum
+    ``fp8_format=Format.E4M3``) stored as msgpack ext type 3, and a stateless one (empty, kept plain)."""
+    recipe = _te_recipe_module()
+    rec = recipe.DelayedScaling(margin=1, fp8_format=recipe.Format.E4M3, amax_history_len=4,
+                                amax_compute_algo="most_recent")
+    assert isinstance(rec.fp8_format, recipe.Format)
+    state = {
+        "recipe": rec,
+        "scale_fwd": det_normal((3,), 110).abs(),
+        "amax_history_fwd": det_normal((4, 3), 111).abs(),
+        "scale_bwd": det_normal((2,), 112).abs(),
+        "amax_history_bwd": det_normal((4, 2), 113).abs(),
+        "extra_fp8_variables": {"num_gemms": 3, "fp8_checkpoint": True, "fp8_max_fwd": 448.0,
+                                "name": "fc1", "fp8_group_sizes": (1, 2), "gemm_ids": [0, 1, 2]},
+    }
+    x = make_input((32, 64), 114, torch.bfloat16)
+    amax = float(x.float().abs().amax())
+    return {
+        "fc1.weight": ts.Float8Quantizer(scale=448.0 / amax, amax=amax)(x),
+        "fc1.bias": make_input((32,), 115, torch.bfloat16),
+        "fc1._extra_state": te_pickled_extra_state(state),
+        "fc2.weight": make_input((16, 32), 116, torch.bfloat16),
+        "fc2._extra_state": torch.empty(0, dtype=torch.uint8),  # a stateless recipe's
+    }
+
+
+class Case(NamedTuple):
+    build: Callable[[], dict]
+    description: str
+    #: the format version the case was frozen at; only the current version's cases are generated
+    version: tuple[int, int]
+    #: a directory checkpoint (else one .safetensors file)
+    directory: bool = False
+    #: save_quantized keyword arguments
+    save: dict = {}
+
+
+# The ten (1, 0) cases wrote the files frozen at format 1.0. They stay here as the record of how
+# those files were made, but are never generated again: the 1.1 writer cannot reproduce their bytes
+# (the manifest now ends with its checksum, and buffers are laid out by item size), and the files
+# must stay exactly as they are (tests/test_golden.py).
+CASES: dict[str, Case] = {
+    "fp8_delayed": Case(case_fp8_delayed, "per-tensor FP8, delayed scaling (scale/amax in the quantizer)", (1, 0)),
+    "fp8_current_e4m3": Case(case_fp8_current_e4m3, "per-tensor FP8 current scaling, E4M3", (1, 0)),
+    "fp8_current_e5m2": Case(case_fp8_current_e5m2, "per-tensor FP8 current scaling, E5M2 (flat dict: no tree)",
+                             (1, 0)),
+    "mxfp8_1x32": Case(case_mxfp8_1x32, "MXFP8, 1x32 blocks", (1, 0)),
+    "mxfp8_2d": Case(case_mxfp8_2d, "MXFP8, 32x32 tiles (with_2d_quantization)", (1, 0)),
+    "fp8_blockwise_1d": Case(case_fp8_blockwise_1d, "blockwise FP8, 1x128 blocks", (1, 0)),
+    "fp8_blockwise_2d": Case(case_fp8_blockwise_2d, "blockwise FP8, 128x128 blocks (flat dict: no tree)", (1, 0)),
+    "nvfp4_1d": Case(case_nvfp4_1d, "NVFP4, 1x16 blocks (+ RHT tensors)", (1, 0)),
+    "nvfp4_2d": Case(case_nvfp4_2d, "NVFP4, 16x16 tiles (with_2d_quantization; flat dict: no tree)", (1, 0)),
+    "mixed": Case(case_mixed, "plain tensors of every dtype, edge-case tensors, nested tree of plain values", (1, 0)),
+    # format 1.1
+    "dir_two_shards": Case(case_dir_two_shards, "directory checkpoint, two shards, an NVFP4 tensor's buffers "
+                           f"in both (max_shard_size={DIR_SHARD_LIMIT})", (1, 1), directory=True,
+                           save={"max_shard_size": DIR_SHARD_LIMIT}),
+    "tied_quantized": Case(case_tied_quantized, "tied quantized tensors (MXFP8 parameter, NVFP4) and a tied "
+                           "plain pair", (1, 1)),
+    "nvfp4_rht_columnwise": Case(case_nvfp4_rht_columnwise, "columnwise-only NVFP4 with RHT (inverse Hadamard "
+                                 "transform to read)", (1, 1)),
+    "no_checksums": Case(case_no_checksums, "saved with checksums=False (tensors.checksums is nil)", (1, 1),
+                         save={"checksums": False}),
+    "extra_state_enum": Case(case_extra_state_enum, "TE delayed-scaling _extra_state (msgpack ext type 3) with "
+                             "an enum-valued recipe field", (1, 1)),
 }
+
+
+def current_cases() -> list[str]:
+    """The cases this te-serial writes: those frozen at the current format version."""
+    return [n for n, c in CASES.items() if c.version == VERSION]
+
+
+def outputs(name: str, out_dir: Path) -> tuple[Path, Path]:
+    """(checkpoint path, expected record path) of a case."""
+    case = CASES[name]
+    ckpt = out_dir / (name if case.directory else f"{name}.safetensors")
+    return ckpt, out_dir / f"{name}.expected.json"
 
 
 # --- expected records ----------------------------------------------------------------------------
@@ -308,10 +504,31 @@ def digest(t: torch.Tensor) -> str:
     return digest_bytes(tensor_bytes(t))
 
 
+def expand_extra_states(obj: Any, found: list | None = None) -> Any:
+    """``obj`` with every TE ``_extra_state`` pickle made by :func:`te_pickled_extra_state` replaced
+    by its :class:`PickledExtraState` (what the checkpoint stores in its place: the decoded state,
+    whose tensors are named under the payload's path)."""
+    if isinstance(obj, torch.Tensor) and id(obj) in _EXTRA_STATES:
+        extra = _EXTRA_STATES[id(obj)]
+        assert extra.payload is obj
+        if found is not None:
+            found.append(extra)
+        return extra
+    if isinstance(obj, dict):
+        return {k: expand_extra_states(v, found) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(expand_extra_states(v, found) for v in obj)
+    if isinstance(obj, list):
+        return [expand_extra_states(v, found) for v in obj]
+    return obj
+
+
 def encode_value(v: Any, path: tuple = ()) -> Any:
     """The typed JSON form of a tree; a tensor becomes its flat name (its path joined by dots)."""
     if isinstance(v, (torch.Tensor, ts.QuantizedTensorStorage)):
         return {"$tensor": ".".join(map(str, path))}
+    if isinstance(v, PickledExtraState):  # msgpack ext type 3
+        return {"$te_extra_state": encode_value(v.state, path)}
     if isinstance(v, dict):
         return {"$dict": [[k, encode_value(x, path + (k,))] for k, x in v.items()]}
     if isinstance(v, tuple):
@@ -332,6 +549,8 @@ def _flat_names(obj: Any, path: tuple = ()) -> dict[int, str]:
     out: dict[int, str] = {}
     if isinstance(obj, (torch.Tensor, ts.QuantizedTensorStorage)):
         out.setdefault(id(obj), ".".join(map(str, path)))
+    elif isinstance(obj, PickledExtraState):
+        out.update((i, n) for i, n in _flat_names(obj.state, path).items() if i not in out)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             for i, n in _flat_names(v, path + (k,)).items():
@@ -347,6 +566,8 @@ def _all_tensors(obj: Any, path: tuple = ()) -> list[tuple[str, Any]]:
     """(flat name, tensor) for every tensor leaf, tied ones at each of their places."""
     if isinstance(obj, (torch.Tensor, ts.QuantizedTensorStorage)):
         return [(".".join(map(str, path)), obj)]
+    if isinstance(obj, PickledExtraState):
+        return _all_tensors(obj.state, path)
     if isinstance(obj, dict):
         return [x for k, v in obj.items() for x in _all_tensors(v, path + (k,))]
     if isinstance(obj, (list, tuple)):
@@ -377,47 +598,153 @@ def tensor_record(name: str, t: Any, manifest_entry) -> dict:
                                  "safetensors_dtype": safetensors_code(t.dtype), "xxh3_64": digest(t)}}}
 
 
+@contextlib.contextmanager
+def fixed_save_id():
+    """Pin the writer's per-save random id (it goes into shard names) to :data:`SAVE_ID`. Only
+    the writer's own ``secrets`` is replaced: temporary file names stay random."""
+    calls = []
+
+    def token_hex(nbytes=None):
+        calls.append(nbytes)
+        return SAVE_ID
+
+    with mock.patch.object(_writer, "secrets", types.SimpleNamespace(token_hex=token_hex)):
+        yield calls
+    assert calls == [4], f"the writer drew its save id {len(calls)} times, not once: {calls}"
+
+
+def read_raw_manifest(path: Path) -> bytes:
+    """The manifest's msgpack bytes, read without te-serial (schema/README.md §1)."""
+    if path.is_dir():
+        return (path / MANIFEST_NAME).read_bytes()
+    with path.open("rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return base64.b64decode(header["__metadata__"][HEADER_KEY], validate=True)
+
+
+def manifest_checksum(raw: bytes) -> int:
+    """A format 1.1 manifest's checksum, checked here: the last field is ``manifest_checksum``, a
+    uint64 (0xcf + 8 bytes, big-endian) equal to XXH3-64 of every byte before those 8."""
+    trailer = msgpack.packb("manifest_checksum") + b"\xcf"
+    assert raw[-8 - len(trailer):-8] == trailer, "manifest does not end with its manifest_checksum"
+    value = int.from_bytes(raw[-8:], "big")
+    assert value == xxhash.xxh3_64_intdigest(raw[:-8]), "manifest_checksum does not match"
+    doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
+    assert list(doc)[-1] == "manifest_checksum" and doc["manifest_checksum"] == value
+    return value
+
+
 def write_case(name: str, out_dir: Path) -> tuple[Path, Path]:
-    build, description = CASES[name]
-    obj = build()
-    path = out_dir / f"{name}.safetensors"
-    metadata = {"golden": name, "description": description}
-    manifest = ts.save_quantized(obj, path, metadata=metadata)
-    ids = _flat_names(obj)
+    case = CASES[name]
+    if case.version != VERSION:
+        raise ValueError(f"golden case {name!r} is frozen at format {case.version[0]}.{case.version[1]}; this "
+                         f"te-serial writes {VERSION[0]}.{VERSION[1]} and never regenerates older cases")
+    obj = case.build()
+    extra_states: list[PickledExtraState] = []
+    expanded = expand_extra_states(obj, extra_states)
+    path, exp = outputs(name, out_dir)
+    metadata = {"golden": name, "description": case.description}
+    with fixed_save_id() if case.directory else contextlib.nullcontext():
+        manifest = ts.save_quantized(obj, path, metadata=metadata, **case.save)
+    assert tuple(manifest.version) == case.version, (name, manifest.version)
+    ids = _flat_names(expanded)
     tensors = {}
-    for flat, t in _all_tensors(obj):
+    for flat, t in _all_tensors(expanded):
         if flat in tensors:
             continue
-        tensors[flat] = tensor_record(flat, t, manifest.tensors[flat])
-        for bname, b in tensors[flat]["buffers"].items():  # the key rule, ties aside
-            own = flat if bname == "data" else f"{flat}.{bname}"
-            assert b["key"] == own or ids[id(t)] != flat, (flat, bname, b["key"])
+        entry = manifest.tensors[flat]
+        tensors[flat] = tensor_record(flat, t, entry)
+        first = ids[id(t)]  # a tied tensor uses the keys of its first name
+        for bname, b in tensors[flat]["buffers"].items():
+            assert b["key"] == (first if bname == "data" else f"{first}.{bname}"), (flat, bname, b["key"])
+            if case.directory:
+                b["file"] = entry.buffers[bname].file
     assert list(tensors) == list(manifest.tensors), "tensor order differs from the manifest's"
-    data = path.read_bytes()
-    record = {
-        "schema": EXPECTED_SCHEMA,
-        "name": name,
-        "description": description,
-        "file": path.name,
-        "file_bytes": len(data),
-        "file_xxh3_64": digest_bytes(data),
+    raw = read_raw_manifest(path)
+    record = {"schema": EXPECTED_SCHEMA, "name": name, "description": case.description}
+    if case.directory:
+        shards = list(manifest.files)
+        assert sorted(p.name for p in path.iterdir()) == sorted([MANIFEST_NAME, *shards]), \
+            f"{path} holds other files than its manifest and shards"
+        assert all(s.startswith(f"model-{SAVE_ID}-") for s in shards), shards
+        files = []
+        for f in [MANIFEST_NAME, *shards]:
+            data = (path / f).read_bytes()
+            files.append({"name": f, "bytes": len(data), "xxh3_64": digest_bytes(data)})
+            if f != MANIFEST_NAME:
+                assert len(data) == manifest.files[f], (f, len(data), manifest.files[f])
+        record.update({"file": path.name, "layout": "directory", "files": files, "shards": shards})
+    else:
+        data = path.read_bytes()
+        record.update({"file": path.name, "layout": "file", "file_bytes": len(data),
+                       "file_xxh3_64": digest_bytes(data)})
+    record.update({
         "format": "te-serial",
         "version": list(manifest.version),
         "producer": manifest.producer,
         "metadata": metadata,
+        "manifest_checksum": f"xxh3_64:{manifest_checksum(raw):016x}",
+        "checksums": case.save.get("checksums", True),
         "tensors": tensors,
-        "tree": encode_value(obj),
-    }
-    exp = out_dir / f"{name}.expected.json"
+        "tree": encode_value(expanded),
+    })
     exp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    _self_check(path, record)
+    _self_check(path, record, extra_states)
+    CASE_CHECKS.get(name, lambda *a: None)(path, record, manifest)
     return path, exp
 
 
-def _self_check(path: Path, record: dict) -> None:
-    """The file reads back (through te-serial) as the record says."""
-    assert ts.verify(path) == sum(len({b["key"] for b in t["buffers"].values()})
-                                  for t in record["tensors"].values())
+def _check_dir_two_shards(path: Path, record: dict, manifest) -> None:
+    """Two shards, each within max_shard_size, and one quantized tensor with buffers in both."""
+    shards = record["shards"]
+    assert len(shards) == 2, shards
+    for shard in shards:
+        held = sum(math.prod(b["shape"]) * getattr(torch, b["dtype"]).itemsize
+                   for n, t in record["tensors"].items() if n not in _aliases(record)
+                   for b in t["buffers"].values() if b["file"] == shard)
+        assert held <= DIR_SHARD_LIMIT, (shard, held)
+    split = [n for n, t in record["tensors"].items()
+             if t["quantizer"] is not None and {b["file"] for b in t["buffers"].values()} == set(shards)]
+    assert split == ["layers.0.weight"], split
+
+
+def _aliases(record: dict) -> set[str]:
+    return {n for n, t in record["tensors"].items()
+            if any(b["key"] != (n if bn == "data" else f"{n}.{bn}") for bn, b in t["buffers"].items())}
+
+
+def _check_tied_quantized(path: Path, record: dict, manifest) -> None:
+    assert manifest.aliases, "nothing was tied"
+    assert _aliases(record) == {"layers.1.proj", "lm_head.weight", "pos_out.weight"}, _aliases(record)
+    loaded = ts.load_quantized(path)
+    assert loaded["lm_head"]["weight"] is loaded["embed"]["weight"]
+    assert loaded["layers"][1]["proj"] is loaded["layers"][0]["proj"]
+    assert loaded["pos_out"]["weight"] is loaded["pos"]["weight"]
+    assert loaded["layers"][0]["other"] is not loaded["embed"]["weight"]
+
+
+def _check_no_checksums(path: Path, record: dict, manifest) -> None:
+    doc = msgpack.unpackb(read_raw_manifest(path), raw=False, strict_map_key=False)
+    assert doc["tensors"]["checksums"] is None
+
+
+CASE_CHECKS = {"dir_two_shards": _check_dir_two_shards, "tied_quantized": _check_tied_quantized,
+               "no_checksums": _check_no_checksums}
+
+
+def _self_check(path: Path, record: dict, extra_states: list) -> None:
+    """The checkpoint reads back (through te-serial) as the record says."""
+    if record["checksums"]:
+        assert ts.verify(path) == sum(len({b["key"] for b in t["buffers"].values()})
+                                      for t in record["tensors"].values())
+    else:
+        try:
+            ts.verify(path)
+        except ts.ChecksumError as e:
+            assert "without checksums" in str(e), e
+        else:
+            raise AssertionError("verify passed on a checkpoint saved without checksums")
     with ts.open(path) as ckpt:
         loaded = ckpt.load_tensors()
     for n, want in record["tensors"].items():
@@ -429,16 +756,47 @@ def _self_check(path: Path, record: dict) -> None:
             for bname, b in t.buffers().items():
                 assert digest(b.view(values[bname])) == want["buffers"][bname]["xxh3_64"], (n, bname)
             assert digest(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"], n
+    # te-serial decodes each TE pickle to the state built here (recipe fields, enum members, tensors)
+    from te_serial.te_extra_state import decode_te_extra_state
+    for want in extra_states:
+        got = decode_te_extra_state(want.payload)
+        assert list(got) == list(want.state)
+        for k, v in want.state.items():
+            if isinstance(v, torch.Tensor):
+                assert digest(got[k]) == digest(v) and got[k].dtype == v.dtype, k
+            else:
+                assert encode_value(got[k]) == encode_value(v), (k, got[k], v)
 
 
 # --- driver ------------------------------------------------------------------------------------
 
-def generate(out_dir: Path) -> list[Path]:
+def generate(out_dir: Path, *, force: bool = False, only: list[str] | None = None) -> list[Path]:
+    """Write the current format version's cases (or ``only`` those) into ``out_dir``. Refuses to
+    overwrite an existing golden file unless ``force``; a case of an older version is never
+    written (with ``only``, naming one is an error)."""
+    names = current_cases()
+    if only:
+        unknown = [n for n in only if n not in CASES]
+        old = [n for n in only if n in CASES and n not in names]
+        if unknown or old:
+            raise ValueError(f"unknown golden case(s) {unknown}" if unknown else
+                             f"golden case(s) {old} are frozen at an older format version and never regenerated")
+        names = [n for n in names if n in only]
+    existing = [str(p) for n in names for p in outputs(n, out_dir) if p.exists()]
+    if existing and not force:
+        raise FileExistsError(f"{out_dir} already holds golden files ({', '.join(existing[:3])}"
+                              f"{', ...' if len(existing) > 3 else ''}); they are the v1 contract and are "
+                              "not regenerated without --force")
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    for name in CASES:
+    for name in names:
         files.extend(write_case(name, out_dir))
     return files
+
+
+def _files_under(root: Path) -> list[str]:
+    """Every file below ``root``, as relative paths (a directory golden's shards included)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
 def _header(data: bytes) -> tuple[bytes, list[str]]:
@@ -465,20 +823,25 @@ def explain_difference(a: bytes, b: bytes, name: str) -> str:
 
 
 def check(golden: Path) -> int:
-    """Generate twice into temp dirs; compare the two with each other and with ``golden``."""
+    """Generate the current version's cases twice into temp dirs; compare the two with each other
+    and with ``golden``. Older versions' files are not regenerated (tests/test_golden.py checks
+    that they are unchanged)."""
     problems = 0
     with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
         for d in (d1, d2):
             # one process per generation, so per-process state (hash seeds, hash-map orders) differs
             # as between real reruns
-            subprocess.run([sys.executable, __file__, "--out", d, "--force"], check=True,
-                           stdout=subprocess.DEVNULL)
-        names = sorted(p.name for p in Path(d1).iterdir())
+            subprocess.run([sys.executable, __file__, "--out", d], check=True, stdout=subprocess.DEVNULL)
+        names = _files_under(Path(d1))
+        if names != _files_under(Path(d2)):
+            problems += 1
+            print(f"NOT DETERMINISTIC: the two generations wrote different files "
+                  f"({sorted(set(names) ^ set(_files_under(Path(d2))))})")
         for n in names:
-            a, b = (Path(d1) / n).read_bytes(), (Path(d2) / n).read_bytes()
+            a, b = (Path(d1) / n).read_bytes(), (Path(d2) / n).read_bytes() if (Path(d2) / n).exists() else None
             if a != b:
                 problems += 1
-                print(f"NOT DETERMINISTIC {n}: {explain_difference(a, b, n)}")
+                print(f"NOT DETERMINISTIC {n}: {explain_difference(a, b or b'', n)}")
             g = golden / n
             if not g.exists():
                 print(f"missing in {golden}: {n}")
@@ -486,28 +849,40 @@ def check(golden: Path) -> int:
             elif g.read_bytes() != a:
                 print(f"differs from {g}: {explain_difference(g.read_bytes(), a, n)}")
                 problems += 1
-    print("check:", "OK, byte-identical" if not problems else f"{problems} problem(s)")
+        for name in current_cases():  # and nothing else sits in a directory golden
+            if CASES[name].directory and (golden / name).is_dir():
+                extra = set(_files_under(golden / name)) - {str(Path(n).relative_to(name)) for n in names
+                                                             if n.startswith(name + "/")}
+                if extra:
+                    print(f"{golden / name} holds files the generator does not write: {sorted(extra)}")
+                    problems += 1
+    version = f"{VERSION[0]}.{VERSION[1]}"
+    frozen = sorted({f"{c.version[0]}.{c.version[1]}" for c in CASES.values() if c.version != VERSION})
+    print(f"check: format {version}, {len(current_cases())} cases ({', '.join(current_cases())}): "
+          + ("OK, byte-identical" if not problems else f"{problems} problem(s)")
+          + (f"; {len(CASES) - len(current_cases())} cases frozen at {', '.join(frozen)} not regenerated"
+             if frozen else ""))
     return 1 if problems else 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=GOLDEN_DIR)
-    ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
+    ap.add_argument("--force", action="store_true",
+                    help="overwrite existing golden files of the current format version")
+    ap.add_argument("--only", action="append", metavar="NAME", help="just this case (repeatable)")
     ap.add_argument("--check", action="store_true", help="regenerate twice in temp dirs and compare")
     args = ap.parse_args(argv)
     if args.check:
         return check(args.out)
-    if not args.force:
-        existing = [n for n in CASES for s in (".safetensors", ".expected.json") if (args.out / (n + s)).exists()]
-        if existing:
-            print(f"{args.out} already holds golden files ({', '.join(existing[:3])}, ...); they are the v1 "
-                  "contract and are not regenerated without --force", file=sys.stderr)
-            return 1
-    files = generate(args.out)
+    try:
+        files = generate(args.out, force=args.force, only=args.only)
+    except (FileExistsError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
     total = 0
     for f in files:
-        size = f.stat().st_size
+        size = sum(p.stat().st_size for p in f.rglob("*")) if f.is_dir() else f.stat().st_size
         total += size
         print(f"{size:>8}  {f.relative_to(args.out.parent) if f.is_relative_to(args.out.parent) else f}")
     print(f"{total:>8}  total")

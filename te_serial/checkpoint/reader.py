@@ -177,7 +177,7 @@ class Checkpoint:
         t = f.mapped(key) if mmap else f.read(key)
         if verify:
             if expected is None:
-                raise ChecksumError("verify=True but the checkpoint was saved without checksums",
+                raise ChecksumError("cannot verify: the checkpoint was saved without checksums",
                                     file=str(f.path), tensor=tname, field=bname)
             if checksum(t) != expected:
                 raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(expected)}",
