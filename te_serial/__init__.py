@@ -12,6 +12,7 @@ from .formats import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, Float8Bl
                       QuantizedTensorStorage, Quantizer, StorageMeta, resolve_quantizer,
                       resolve_storage, swizzle_scales, unswizzle_scales)
 from .proto import TensorProto, to_tensor_proto
+from .formats.slicing import slice_quantized
 
 from ._version import __version__
 
@@ -34,5 +35,5 @@ __all__ = [
     "ManifestError", "VersionError", "CheckpointFileError", "TensorMismatchError", "ChecksumError",
     "UnsupportedValueError", "Checkpoint", "save_quantized", "load_quantized", "open", "read_protos",
     "verify", "from_te", "to_te", "is_te_tensor", "load_into", "quantize_model", "materialize", "plan",
-    "Plan", "LoadResult", "convert", "ConversionReport",
+    "Plan", "LoadResult", "convert", "ConversionReport", "slice_quantized",
 ]

@@ -19,14 +19,11 @@ from torch import nn
 
 from .errors import CheckpointError, ShapeError
 from .formats.base import QuantizedTensorStorage, Quantizer
+from .precision import stays_high_precision
 from .proto import TensorProto, to_tensor_proto
 from .recipes import recipe_quantizer
 
 __all__ = ["load_into", "quantize_model", "materialize", "plan", "Plan", "LoadResult"]
-
-#: module names left alone by default: the output head (embeddings and norms are not nn.Linear)
-DEFAULT_EXCLUDE = ("lm_head", "*.lm_head", "output", "*.output", "head", "*.head")
-
 
 class LoadResult(NamedTuple):
     """What ``load_into(..., strict=False)`` returns, in the manner of ``load_state_dict``."""
@@ -117,13 +114,15 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequence[str] = ("*",),
-                   exclude: Sequence[str] = DEFAULT_EXCLUDE, module_types: tuple[type, ...] = (nn.Linear,),
+                   exclude: Sequence[str] | None = None, module_types: tuple[type, ...] = (nn.Linear,),
                    columnwise: bool | None = None) -> nn.Module:
     """Replace the weights of matching modules by quantized parameters, in place; returns the model.
 
-    Modules are chosen by type (``nn.Linear`` by default, so embeddings and norms stay) and by
-    glob patterns on their qualified names (the output head is excluded unless asked). ``recipe``
-    is a name from :data:`te_serial.recipes.RECIPES` or a quantizer; ``columnwise`` (default:
+    Modules are chosen by type (``nn.Linear`` by default) and by glob patterns on their qualified
+    names. By default (``exclude=None``) the weights :func:`te_serial.precision.stays_high_precision`
+    keeps — embeddings, output heads, norms, MoE routers; the rule ``convert`` uses — stay as they
+    are; ``exclude`` patterns (on module names) replace that rule. ``recipe`` is a name from
+    :data:`te_serial.recipes.RECIPES` or a quantizer; ``columnwise`` (default:
     ``torch.is_grad_enabled()``, as TE does) adds the transposed usage needed for training. On a
     meta model the parameters become meta quantized tensors: prototypes only, for :func:`plan`.
     Weights whose shape the recipe cannot hold are left alone with a warning.
@@ -132,10 +131,15 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
     q = recipe if isinstance(recipe, Quantizer) else recipe_quantizer(recipe, rowwise=True, columnwise=col)
     done: dict[int, nn.Parameter] = {}
     for mname, module in model.named_modules():
-        if not isinstance(module, module_types) or not _matches(mname, include) or _matches(mname, exclude):
+        if not isinstance(module, module_types) or not _matches(mname, include):
             continue
         w = module._parameters.get("weight")
         if w is None or isinstance(w, QuantizedTensorStorage):
+            continue
+        if exclude is None:
+            if stays_high_precision(f"{mname}.weight" if mname else "weight", tuple(w.shape)):
+                continue
+        elif _matches(mname, exclude):
             continue
         if id(w) in done:  # tied with a weight already quantized
             module._parameters["weight"] = done[id(w)]

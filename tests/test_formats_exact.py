@@ -15,7 +15,7 @@ import torch
 
 import te_serial as ts
 from reference import te_reference as ref
-from conftest import INPUT_KINDS, assert_same_buffers, make_input, same_values
+from helpers import INPUT_KINDS, assert_same_buffers, make_input, same_values
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 USAGES = {"row": (True, False), "col": (False, True), "both": (True, True)}
@@ -185,3 +185,21 @@ def test_blockwise_edge_blocks_use_existing_elements_only():
     assert s[:, 2:].eq(0).all()  # padding zeroed
     assert list(itertools.chain(*t._columnwise_scale_inv[:2, :2].tolist())) == \
         list(itertools.chain(*s[:2, :2].t().tolist()))
+
+
+@pytest.mark.parametrize("signs", [True, False])
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+def test_nvfp4_rht_columnwise_only_dequantize_is_the_documented_rule(signs, kind):
+    """Inverse RHT: exact 16-term dot products rounded once to fp32 (oracle and fractions agree)."""
+    from reference.test_reference_selfcheck import exact_inverse_rht
+    shape = (64, 48)
+    x = make_input(kind, shape, torch.bfloat16, seed=11) * (275 if kind == "random" else 1)
+    q = ts.NVFP4Quantizer(rowwise=False, with_rht=True, with_post_rht_amax=True, with_random_sign_mask=signs)
+    t = q(x)
+    want = ref.ref_nvfp4(x, rowwise=False, with_rht=True, with_post_rht_amax=True, with_random_sign_mask=signs)
+    assert_same_buffers(t.buffers(), want)
+    dq = t.dequantize(torch.float32)
+    assert same_values(dq, ref.ref_dequantize("nvfp4", want, shape, with_rht=True, with_random_sign_mask=signs))
+    rht_domain = ref.ref_dequantize("nvfp4", want, shape).t().reshape(-1, 16)
+    if bool(torch.isfinite(rht_domain).all()):
+        assert same_values(dq.t().reshape(-1, 16), exact_inverse_rht(rht_domain, ref.rht_matrix(signs)))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import te_serial as ts
-from conftest import assert_same_tensor
+from helpers import assert_same_tensor
 
 
 class Block(nn.Module):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import te_serial as ts
 from te_serial.formats import base
-from conftest import same_bits
+from helpers import same_bits
 
 QUANTIZERS = [
     ts.Float8CurrentScalingQuantizer(),

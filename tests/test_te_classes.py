@@ -13,7 +13,7 @@ import torch
 
 import te_serial as ts
 import te_shim
-from conftest import INPUT_KINDS, make_input, same_bits, same_values
+from helpers import INPUT_KINDS, make_input, same_bits, same_values
 
 te = te_shim.install()
 if te is None:  # only where the test extra (transformer-engine wheel) is not installed

@@ -7,7 +7,7 @@ import torch
 
 import te_serial as ts
 import te_shim
-from conftest import E4M3, E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits, same_values
+from helpers import E4M3, E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits, same_values
 
 te = te_shim.install()
 if te is None:  # only where the test extra (transformer-engine wheel) is not installed

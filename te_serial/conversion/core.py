@@ -91,7 +91,7 @@ def _fmt(q, dtype: torch.dtype, family: str) -> str:
     if family == "deepseek":
         return "deepseek_fp8"
     if family == "ct":
-        return "ct_fp8_tensor" if q.kind in ("fp8_current_scaling", "fp8_delayed_scaling") else "ct_fp8_channel"
+        return "ct_fp8_tensor" if q.scale_per_tensor else "ct_fp8_channel"
     return f"{describe_quantizer(q)}/{usage_label(q)}"
 
 
@@ -153,12 +153,13 @@ def _layout(family: str, name: str, shape: tuple[int, ...], step: Step,
         return [(name, shape, step.out_dtype)]
     if family == "te":
         return [(buffer_key(name, b), s, d) for b, (s, d) in expected_buffers(step.proto(shape)).items()]
-    m, k = shape
+    # DeepSeek / compressed-tensors: the rowwise data, and the scale grid (DeepSeek: one per
+    # 128×128 tile; compressed-tensors: one per tensor, or one per row)
+    data = (name, shape, q.value_dtypes()[q.usage_layout(ROW).data])
     if family == "deepseek":
-        return [(name, shape, E4M3), (name + "_scale_inv", (-(-m // 128), -(-k // 128)), torch.float32)]
-    prefix = name[: -len("weight")]
-    scale_shape = (1,) if q.kind in ("fp8_current_scaling", "fp8_delayed_scaling") else (m, 1)
-    return [(name, shape, E4M3), (prefix + "weight_scale", scale_shape, torch.float32)]
+        return [data, (name + "_scale_inv", q.grid_shape(shape, ROW), torch.float32)]
+    scale_shape = (1,) if q.scale_per_tensor else (shape[0], 1)
+    return [data, (name[: -len("weight")] + "weight_scale", scale_shape, torch.float32)]
 
 
 def _export(family: str, name: str, out: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -168,15 +169,13 @@ def _export(family: str, name: str, out: torch.Tensor) -> dict[str, torch.Tensor
     if family == "te":
         vals = q.value_dtypes()
         return {buffer_key(name, n): t.view(vals[n]) for n, t in b.items()}
-    m, k = tuple(out.logical_shape)
+    lay = q.usage_layout(ROW)
+    data = b[lay.data].view(q.value_dtypes()[lay.data])
+    grid = q.block_scales(b, tuple(out.logical_shape), ROW)  # valid region only, [row blocks, col blocks]
     if family == "deepseek":
-        mb, kb = -(-m // 128), -(-k // 128)
-        return {name: b["_rowwise_data"].view(E4M3), name + "_scale_inv": b["_rowwise_scale_inv"][:mb, :kb].contiguous()}
-    prefix = name[: -len("weight")]
-    if q.kind in ("fp8_current_scaling", "fp8_delayed_scaling"):
-        return {name: b["_data"].view(E4M3), prefix + "weight_scale": b["_scale_inv"].reshape(1).clone()}
-    return {name: b["_rowwise_data"].view(E4M3),
-            prefix + "weight_scale": b["_rowwise_scale_inv"][0, :m].reshape(m, 1).contiguous()}
+        return {name: data, name + "_scale_inv": grid.contiguous()}
+    scale = grid.reshape(1).clone() if q.scale_per_tensor else grid[:, :1].contiguous()  # channel: rows share one
+    return {name: data, name[: -len("weight")] + "weight_scale": scale}
 
 
 def _file_of(source: Source, st: SourceTensor) -> str:

@@ -22,11 +22,11 @@ import torch
 from ..dtypes import dtype_name
 from ..errors import ConversionError
 from ..formats import Quantizer
+from ..precision import HIGH_PRECISION_PATTERNS, stays_high_precision
 from ..recipes import RECIPES, recipe_quantizer
 
 __all__ = ["Target", "KEEP", "TARGETS", "target", "target_names", "Rules", "load_rules",
-           "DEFAULT_KEEP_PATTERNS", "describe_quantizer", "describe_dtype", "usage_label",
-           "layout_fields_equal"]
+           "DEFAULT_KEEP_PATTERNS", "describe_quantizer", "describe_dtype", "usage_label"]
 
 KEEP = "keep"
 
@@ -92,18 +92,16 @@ def target(name: str) -> Target:
 
 # --- rules ---------------------------------------------------------------------------------------
 
-#: what the default rules keep as they are, before quantizing every other 2-D ``*.weight``:
-#: embeddings, output heads, norms and MoE routers (as TE and the FP8 checkpoints in the wild
-#: do: DeepSeek-V3 keeps exactly these in BF16, its MTP layer's ``shared_head.head`` included)
-DEFAULT_KEEP_PATTERNS = ("*embed*", "*lm_head*", "*.head.weight", "*norm*", "*.gate.weight", "*router*",
-                         "*wte.*", "*wpe.*")
+#: what the default rules keep as they are (te_serial.precision: the rule quantize_model uses too)
+DEFAULT_KEEP_PATTERNS = HIGH_PRECISION_PATTERNS
 
 
 class Rules:
     """Ordered glob patterns on tensor names → target name or ``"keep"``; the first match wins.
 
-    ``None`` gives the default: 2-D ``*.weight`` tensors outside :data:`DEFAULT_KEEP_PATTERNS`
-    get ``recipe``; everything else is kept. With explicit rules, unmatched tensors are kept.
+    ``None`` gives the default: tensors :func:`~te_serial.precision.stays_high_precision` keeps
+    (all but 2-D ``*.weight`` tensors outside :data:`DEFAULT_KEEP_PATTERNS`) are kept, the rest
+    get ``recipe``. With explicit rules, unmatched tensors are kept.
     """
 
     def __init__(self, rules: Mapping[str, str] | Sequence[tuple[str, str]] | None, recipe: str | None) -> None:
@@ -133,13 +131,9 @@ class Rules:
     def lookup(self, name: str, shape: tuple[int, ...]) -> tuple[str, bool]:
         """(target name or ``"keep"``, explicit): ``explicit`` is False for the default rule."""
         if self.default:
-            if self.recipe is None:
+            if self.recipe is None or stays_high_precision(name, shape):
                 return KEEP, False
-            if any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_KEEP_PATTERNS):
-                return KEEP, False
-            if (name == "weight" or name.endswith(".weight")) and len(shape) == 2:
-                return self.recipe, False
-            return KEEP, False
+            return self.recipe, False
         for pattern, value in self.items:
             if fnmatch.fnmatchcase(name, pattern):
                 return value, True
@@ -207,45 +201,14 @@ def describe_dtype(dtype: torch.dtype) -> str:
     return _SHORT_DTYPES.get(dtype) or dtype_name(dtype)
 
 
-#: quantizer fields that change what the bytes mean (the rest say how they were produced)
-LAYOUT_FIELDS = {
-    "fp8_delayed_scaling": ("fp8_dtype",),
-    "fp8_current_scaling": ("fp8_dtype",),
-    "mxfp8": ("fp8_dtype", "with_2d_quantization"),
-    "fp8_blockwise": ("fp8_dtype", "block_scaling_dim"),
-    "nvfp4": ("with_2d_quantization", "with_rht", "with_random_sign_mask"),
-}
-
-
-def layout_fields_equal(a: Quantizer, b: Quantizer) -> bool:
-    """Same kind and same layout-defining fields (usages and production details aside)."""
-    if a.kind != b.kind:
-        return False
-    fields = LAYOUT_FIELDS.get(a.kind)
-    if fields is None:
-        return a.set_usage(rowwise=True, columnwise=True) == b.set_usage(rowwise=True, columnwise=True)
-    if a.kind == "nvfp4" and not (a.with_rht or b.with_rht):
-        fields = ("with_2d_quantization",)  # the sign mask only matters with the RHT
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
-
-
 def describe_quantizer(q: Quantizer) -> str:
-    """The recipe name whose layout ``q`` has (``mxfp8``, ``fp8_block`` …), else a descriptive name."""
+    """The recipe name whose layout ``q`` has (``mxfp8``, ``fp8_block`` …), else the format's
+    descriptive layout name."""
     for name in RECIPES:
         ref = recipe_quantizer(name, rowwise=q.rowwise, columnwise=q.columnwise)
-        if layout_fields_equal(ref, q):
+        if ref.same_layout(q):
             return name
-    kind = q.kind
-    if kind in ("fp8_delayed_scaling", "fp8_current_scaling"):
-        base = "fp8_delayed" if kind == "fp8_delayed_scaling" else "fp8_current"
-        return f"{base}_{describe_dtype(q.fp8_dtype)}"
-    if kind == "mxfp8":
-        return f"mxfp8{'_2d' if q.with_2d_quantization else ''}_{describe_dtype(q.fp8_dtype)}"
-    if kind == "fp8_blockwise":
-        return f"fp8_block{'_1d' if q.block_scaling_dim == 1 else ''}_{describe_dtype(q.fp8_dtype)}"
-    if kind == "nvfp4":
-        return f"nvfp4{'_2d' if q.with_2d_quantization else ''}{'_rht' if q.with_rht else ''}"
-    return kind
+    return q.layout_name()
 
 
 def usage_label(q: Quantizer | None) -> str:

@@ -1,16 +1,11 @@
 """Tensor-level conversion: which path each tensor takes, and the buffer transforms behind it.
 
-Exact paths rebuild the target's buffers from the source's bytes, never from dequantized values:
-
-* any format → the same format (other usages too where TE's layout makes them exact: the
-  per-tensor FP8 transpose; blockwise 128×128, MXFP8 32×32 and NVFP4 16×16 columnwise copies,
-  which are the rowwise values transposed);
-* blockwise 128×128 → 1×128: a tile's scale applied to each 1×128 row segment (rowwise) or each
-  128×1 column segment (columnwise) gives the same FP8 bytes;
-* MXFP8 32×32 → 1×32 and NVFP4 16×16 → 1×16: the same buffers (tile scales are block scales);
-* per-tensor FP8 → blockwise (1×128 or 128×128), DeepSeek 128×128 or compressed-tensors
-  per-tensor / per-channel: the one scale in every block;
-* per-tensor delayed ⇄ current scaling: the same bytes and scale_inv.
+Exact paths rebuild the target's buffers from the source's bytes, never from dequantized values.
+Each format declares its own (``Quantizer.exact_output`` / ``derivable`` / ``derive`` in
+``te_serial/formats``): the same format in other usages where TE's layout makes them exact,
+finer blocks from coarser ones, per-tensor FP8 into block layouts, delayed ⇄ current scaling.
+DeepSeek and compressed-tensors weights are blockwise / per-tensor FP8 tensors here, so their
+exact paths are the same declarations. This module only asks.
 
 Everything else dequantizes the source (fp32) and quantizes again: lossy. Each path is checked
 after the fact (:func:`compare`), so a report can say "lossless" only of bit-equal values.
@@ -26,26 +21,21 @@ import torch
 
 from .. import numerics as nx
 from ..errors import ConversionError, ShapeError
-from ..formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, NVFP4Quantizer,
-                       Quantizer)
-from ..formats.base import QuantizedTensorStorage, flatten_2d
+from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer
+from ..formats.base import COLUMNWISE, ROWWISE, QuantizedTensorStorage, flatten_2d
 from ..proto import TensorProto
-from .targets import layout_fields_equal
 
-ROW, COL = "rowwise", "columnwise"
+ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
-PER_TENSOR = ("fp8_delayed_scaling", "fp8_current_scaling")
 
 __all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_keep_external", "execute",
            "values", "usage_view", "compare", "ErrorStats", "deepseek_quantizer", "ct_quantizer"]
 
+_SETTLED = "scale and amax set from this tensor's values"
+
 
 def enabled(q: Quantizer) -> list[str]:
-    return [u for u, on in ((ROW, q.rowwise), (COL, q.columnwise)) if on]
-
-
-def with_usages(q: Quantizer, usages: tuple[bool, bool]) -> Quantizer:
-    return q.set_usage(rowwise=usages[0], columnwise=usages[1])
+    return list(q.usages_on())
 
 
 def deepseek_quantizer(pow2: bool = False) -> Float8BlockQuantizer:
@@ -158,94 +148,34 @@ class Step:
         return TensorProto(shape, self.out_dtype, self.out_q)
 
 
-def _same_fp8(p: Quantizer, q: Quantizer) -> bool:
-    return getattr(p, "fp8_dtype", None) == getattr(q, "fp8_dtype", None)
-
-
-def _pow2(p: Quantizer) -> bool:
-    return bool(getattr(p, "force_pow_2_scales", False))
-
-
-def _compat_out(p: Quantizer, q: Quantizer) -> Quantizer | None:
-    """The output quantizer of an exact (or partly exact) path from ``p`` to target ``q``, or None."""
-    use = dict(rowwise=q.rowwise, columnwise=q.columnwise)
-    if p.kind in PER_TENSOR and q.kind in PER_TENSOR and _same_fp8(p, q):
-        if q.kind == p.kind:
-            return dataclasses.replace(p, **use)
-        if q.kind == "fp8_current_scaling":
-            return Float8CurrentScalingQuantizer(p.fp8_dtype, **use)
-        return Float8Quantizer(1.0, 0.0, p.fp8_dtype, **use)  # scale / amax filled in from the data
-    if p.kind in PER_TENSOR and q.kind == "fp8_blockwise" and _same_fp8(p, q):
-        return Float8BlockQuantizer(p.fp8_dtype, block_scaling_dim=q.block_scaling_dim, force_pow_2_scales=_pow2(p),
-                                    amax_epsilon=getattr(p, "amax_epsilon", 0.0), **use)
-    if p.kind == "fp8_blockwise" and q.kind == "fp8_blockwise" and _same_fp8(p, q):
-        if p.block_scaling_dim == q.block_scaling_dim or (p.block_scaling_dim, q.block_scaling_dim) == (2, 1):
-            return dataclasses.replace(p, block_scaling_dim=q.block_scaling_dim, **use)
-        return None
-    if p.kind == "mxfp8" and q.kind == "mxfp8" and _same_fp8(p, q):
-        if p.with_2d_quantization or not q.with_2d_quantization:
-            return dataclasses.replace(p, with_2d_quantization=q.with_2d_quantization, **use)
-        return None
-    if p.kind == "nvfp4" and q.kind == "nvfp4":
-        if q.with_2d_quantization and not p.with_2d_quantization:
-            return None
-        out = dataclasses.replace(p, with_2d_quantization=q.with_2d_quantization, **use)
-        if q.columnwise and not (p.columnwise and _nvfp4_col_same(p, q)):
-            out = dataclasses.replace(out, with_rht=q.with_rht, with_post_rht_amax=q.with_post_rht_amax,
-                                      with_random_sign_mask=q.with_random_sign_mask)
-        return out
-    return None
-
-
-def _nvfp4_col_same(p: Quantizer, q: Quantizer) -> bool:
-    return p.with_rht == q.with_rht and (not p.with_rht or p.with_random_sign_mask == q.with_random_sign_mask)
-
-
-def _can_exact(p: Quantizer, out: Quantizer, usage: str) -> bool:
-    """Can ``usage`` of ``out`` be built from the bytes of a ``p`` tensor?"""
-    has = p.rowwise if usage == ROW else p.columnwise
-    if p.kind in PER_TENSOR:
-        return True  # the transpose is the same bytes; the one scale fits every block
-    if p.kind == "fp8_blockwise":
-        if p.block_scaling_dim == 2:
-            return True
-        return has and out.block_scaling_dim == 1
-    if p.kind == "mxfp8":
-        return has or p.with_2d_quantization
-    if p.kind == "nvfp4":
-        if usage == ROW:
-            return p.rowwise or (p.with_2d_quantization and not p.with_rht)
-        if p.columnwise and _nvfp4_col_same(p, out):
-            return True
-        return p.rowwise and p.with_2d_quantization and not out.with_rht
-    return False
-
-
 def _copy_only(p: Quantizer, out: Quantizer) -> bool:
-    return layout_fields_equal(p, out) and all(p.rowwise if u == ROW else p.columnwise for u in enabled(out))
+    return p.same_layout(out) and all(p.has_usage(u) for u in out.usages_on())
 
 
 def plan_te(p: Quantizer | None, q: Quantizer, dtype: torch.dtype, src_dtype: torch.dtype) -> Step:
     """A te-serial recipe target ``q`` (usages chosen) for a source with quantizer ``p``."""
-    delayed = q.kind == "fp8_delayed_scaling"
-    if p is None:
-        return Step("quantize", q, dtype, builder="quantize", data_dependent=delayed,
-                    note="delayed scaling: scale from the tensor's amax" if delayed else "")
-    out = _compat_out(p, q)
+    out = p.exact_output(q) if p is not None else None
     if out is None:
-        return Step("requantize", q, dtype, builder="quantize", data_dependent=delayed,
-                    note="delayed scaling: scale from the tensor's amax" if delayed else "")
-    requant = frozenset(u for u in enabled(out) if not _can_exact(p, out, u))
-    data_dep = out.kind == "fp8_delayed_scaling" and p.kind != "fp8_delayed_scaling"
+        dd = q.data_dependent
+        return Step("quantize" if p is None else "requantize", q, dtype, builder="quantize",
+                    data_dependent=dd, note=_SETTLED if dd else "")
+    requant = frozenset(u for u in out.usages_on() if not p.derivable(out, u))
+    data_dep = out.data_dependent and not p.data_dependent
     if requant:
-        if getattr(out, "stochastic_rounding", False):  # the rebuilt usage is rounded to nearest
-            out = dataclasses.replace(out, stochastic_rounding=False)
         what = " and ".join(sorted(requant))
-        return Step("requantize", out, src_dtype, requant=requant,
+        return Step("requantize", out.deterministic(), src_dtype, requant=requant,
                     note=f"{what} usage rebuilt from dequantized values (not derivable from the source's bytes)")
     method = "copy" if _copy_only(p, out) else "relayout"
-    note = "delayed scaling: scale = 1 / the source's scale_inv" if data_dep else ""
+    note = "scale = 1 / the source's scale_inv" if data_dep else ""
     return Step(method, out, src_dtype, exact=True, data_dependent=data_dep, note=note)
+
+
+def _exact_into(p: Quantizer | None, rep: Quantizer, src_dtype: torch.dtype) -> Step | None:
+    """The exact step from ``p`` into an external layout's representation ``rep`` (rowwise), if any."""
+    out = p.exact_output(rep) if p is not None else None
+    if out is None or not p.derivable(out, ROW):
+        return None
+    return Step("copy" if _copy_only(p, out) else "relayout", out, src_dtype, exact=True)
 
 
 def plan_plain(p: Quantizer | None, src_dtype: torch.dtype, d: torch.dtype) -> Step:
@@ -258,27 +188,21 @@ def plan_plain(p: Quantizer | None, src_dtype: torch.dtype, d: torch.dtype) -> S
 
 
 def plan_deepseek(p: Quantizer | None, dtype: torch.dtype, src_dtype: torch.dtype) -> Step:
-    if p is not None and p.kind == "fp8_blockwise" and p.block_scaling_dim == 2 and p.fp8_dtype == E4M3:
-        out = dataclasses.replace(p, rowwise=True, columnwise=False)
-        return Step("copy" if p.rowwise else "relayout", out, src_dtype, exact=True)
-    if p is not None and p.kind in PER_TENSOR and p.fp8_dtype == E4M3:
-        return Step("relayout", deepseek_quantizer(_pow2(p)), src_dtype, exact=True)
+    step = _exact_into(p, deepseek_quantizer(), src_dtype)
+    if step is not None:
+        return step
     return Step("quantize" if p is None else "requantize", deepseek_quantizer(False), dtype, builder="quantize")
 
 
 def plan_ct(p: Quantizer | None, strategy: str, dtype: torch.dtype, src_dtype: torch.dtype,
             uniform_rows: bool) -> Step:
-    if p is not None and p.kind in PER_TENSOR and p.fp8_dtype == E4M3:
-        if strategy == "tensor":
-            out = dataclasses.replace(p, rowwise=True, columnwise=False)
-            return Step("copy" if p.rowwise else "relayout", out, src_dtype, exact=True)
-        return Step("relayout", ct_quantizer("channel", _pow2(p)), src_dtype, exact=True)
-    if (strategy == "channel" and p is not None and p.kind == "fp8_blockwise" and p.block_scaling_dim == 1
-            and p.fp8_dtype == E4M3 and p.rowwise):
-        out = dataclasses.replace(p, rowwise=True, columnwise=False)
-        if uniform_rows:
-            return Step("copy", out, src_dtype, exact=True)
-        return Step("copy", out, src_dtype, exact=True, builder="channel_or_requant")
+    rep = ct_quantizer(strategy)
+    step = _exact_into(p, rep, src_dtype)
+    if step is not None:
+        if strategy == "tensor" or p.scale_per_tensor:  # one scale: every row's blocks share it
+            return step
+        if p.same_layout(rep):  # 1×128 blocks: whether each row's share one scale is in the data
+            return step if uniform_rows else dataclasses.replace(step, builder="channel_or_requant")
     method = "quantize" if p is None else "requantize"
     if strategy == "tensor":
         return Step(method, ct_quantizer("tensor"), dtype, builder="quantize")
@@ -304,125 +228,9 @@ def plan_keep_external(family: str, p: Quantizer | None, src_dtype: torch.dtype,
 
 # --- buffer transforms --------------------------------------------------------------------------
 
-def _fill(spec, region: tuple[int, int], value: torch.Tensor) -> torch.Tensor:
-    """A zeroed scale buffer of ``spec`` with ``value`` (broadcast) in its valid ``region``."""
-    out = torch.zeros(spec.shape, dtype=spec.dtype)
-    r, c = region
-    out[:r, :c] = value
-    return out
-
-
-def _f8_row(b, shape):
-    return b["_data"] if "_data" in b else b["_transpose"].movedim(0, -1).contiguous()
-
-
-def _f8_col(b, shape):
-    return b["_transpose"] if "_transpose" in b else b["_data"].movedim(-1, 0).contiguous()
-
-
-def _bw_row(b):
-    return b["_rowwise_data"] if "_rowwise_data" in b else b["_columnwise_data"].movedim(0, -1).contiguous()
-
-
-def _bw_col(b):
-    return b["_columnwise_data"] if "_columnwise_data" in b else b["_rowwise_data"].movedim(-1, 0).contiguous()
-
-
-def _tiles_2d(p: Quantizer, b, m: int, k: int) -> torch.Tensor:
-    """The [ceil(M/128), ceil(K/128)] tile scales of a blockwise 128×128 tensor."""
-    mb, kb = nx.ceil_div(m, 128), nx.ceil_div(k, 128)
-    if "_rowwise_scale_inv" in b:
-        return b["_rowwise_scale_inv"][:mb, :kb]
-    return b["_columnwise_scale_inv"][:kb, :mb].t()
-
-
-def _exact_usage(p: Quantizer, t: QuantizedTensorStorage, out: Quantizer, usage: str) -> dict[str, torch.Tensor]:
-    """``usage``'s buffers of the ``out`` tensor, built from the bytes of ``t`` (``_can_exact`` holds)."""
-    b = t.buffers()
-    shape = tuple(t.logical_shape)
-    m, k = flatten_2d(shape)
-    specs = out.describe_buffers(shape)
-    row = usage == ROW
-    if p.kind in PER_TENSOR:
-        s = b["_scale_inv"]
-        if out.kind in PER_TENSOR:
-            data = {"_data": _f8_row(b, shape)} if row else {"_transpose": _f8_col(b, shape)}
-            return {**data, "_scale_inv": s}
-        # blockwise: the one scale in every block
-        mb, kb = nx.ceil_div(m, 128), nx.ceil_div(k, 128)
-        if out.block_scaling_dim == 2:
-            region = (mb, kb) if row else (kb, mb)
-        else:
-            region = (kb, m) if row else (mb, k)
-        if row:
-            return {"_rowwise_data": _f8_row(b, shape), "_rowwise_scale_inv": _fill(specs["_rowwise_scale_inv"], region, s)}
-        return {"_columnwise_data": _f8_col(b, shape), "_columnwise_scale_inv": _fill(specs["_columnwise_scale_inv"], region, s)}
-    if p.kind == "fp8_blockwise":
-        has = p.rowwise if row else p.columnwise
-        if has and p.block_scaling_dim == out.block_scaling_dim:
-            names = ("_rowwise_data", "_rowwise_scale_inv") if row else ("_columnwise_data", "_columnwise_scale_inv")
-            return {n: b[n] for n in names}
-        tiles = _tiles_2d(p, b, m, k)  # p is 128×128 here
-        mb, kb = tiles.shape
-        if out.block_scaling_dim == 2:
-            if row:
-                return {"_rowwise_data": _bw_row(b), "_rowwise_scale_inv": _fill(specs["_rowwise_scale_inv"], (mb, kb), tiles)}
-            return {"_columnwise_data": _bw_col(b),
-                    "_columnwise_scale_inv": _fill(specs["_columnwise_scale_inv"], (kb, mb), tiles.t())}
-        if row:  # 1×128 along K: scale [kb, m] = tile[m // 128, kb]
-            rs = tiles.repeat_interleave(128, dim=0)[:m].t()
-            return {"_rowwise_data": _bw_row(b), "_rowwise_scale_inv": _fill(specs["_rowwise_scale_inv"], (kb, m), rs)}
-        cs = tiles.repeat_interleave(128, dim=1)[:, :k]  # 128 along M: scale [mb, k] = tile[mb, k // 128]
-        return {"_columnwise_data": _bw_col(b), "_columnwise_scale_inv": _fill(specs["_columnwise_scale_inv"], (mb, k), cs)}
-    if p.kind == "mxfp8":
-        has = p.rowwise if row else p.columnwise
-        if has:
-            names = ("_rowwise_data", "_rowwise_scale_inv") if row else ("_columnwise_data", "_columnwise_scale_inv")
-            return {n: b[n] for n in names}
-        # 32×32 tiles: both usages hold the same bytes; scales are the tile exponents spread out
-        if row:
-            tiles = b["_columnwise_scale_inv"][: m // 32, : k : 32]
-            rs = tiles.repeat_interleave(32, dim=0)
-            return {"_rowwise_data": b["_columnwise_data"],
-                    "_rowwise_scale_inv": _fill(specs["_rowwise_scale_inv"], (m, k // 32), rs)}
-        tiles = b["_rowwise_scale_inv"][: m : 32, : k // 32]
-        cs = tiles.repeat_interleave(32, dim=1)
-        return {"_columnwise_data": b["_rowwise_data"],
-                "_columnwise_scale_inv": _fill(specs["_columnwise_scale_inv"], (m // 32, k), cs)}
-    if p.kind == "nvfp4":
-        if row and p.rowwise:
-            return {n: b[n] for n in ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")}
-        if not row and p.columnwise and _nvfp4_col_same(p, out):
-            return {n: b[n] for n in ("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise")}
-        # 16×16 tiles without the RHT: columnwise = the rowwise codes transposed, tile scales transposed
-        if row:
-            codes = nx.unpack_fp4(b["_columnwise_data"].reshape(k, m // 2)).t().contiguous()
-            tiles = b["_columnwise_scale_inv"][: k : 16, : m // 16].t()
-            return {"_rowwise_data": nx.pack_fp4(codes).reshape(specs["_rowwise_data"].shape),
-                    "_rowwise_scale_inv": _fill(specs["_rowwise_scale_inv"], (m, k // 16),
-                                                tiles.repeat_interleave(16, dim=0)),
-                    "_amax_rowwise": b["_amax_columnwise"].clone()}
-        codes = nx.unpack_fp4(b["_rowwise_data"].reshape(m, k // 2)).t().contiguous()
-        tiles = b["_rowwise_scale_inv"][: m : 16, : k // 16].t()
-        return {"_columnwise_data": nx.pack_fp4(codes).reshape(specs["_columnwise_data"].shape),
-                "_columnwise_scale_inv": _fill(specs["_columnwise_scale_inv"], (k, m // 16),
-                                               tiles.repeat_interleave(16, dim=0)),
-                "_amax_columnwise": b["_amax_rowwise"].clone()}
-    raise ConversionError(f"no exact path from {p.kind} to {out.kind}")
-
-
 def _quantize_input(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    if isinstance(q, NVFP4Quantizer) and q.with_rht and q.columnwise and x.dtype != torch.bfloat16:
-        return x.to(torch.bfloat16)  # TE's RHT cast takes BF16 input
-    return x
-
-
-def _delayed_for(x: torch.Tensor, q: Quantizer) -> Quantizer:
-    """Delayed scaling as TE settles after seeing this tensor: scale = fp8_max / amax (margin 0)."""
-    amax = nx.nan_ignoring_amax(x)
-    scale = nx.scale_from_amax(amax, nx.fp8_max(q.fp8_dtype), force_pow_2_scales=False, epsilon=0.0,
-                               value_for_inf=nx.FP32_MAX)
-    return Float8Quantizer(float(scale), float(amax), q.fp8_dtype, rowwise=q.rowwise, columnwise=q.columnwise)
+    d = q.input_dtype(x.dtype)
+    return x if d == x.dtype else x.to(d)
 
 
 def _per_channel(x: torch.Tensor, q: Float8BlockQuantizer, fake_dtype: torch.dtype) -> QuantizedTensorStorage:
@@ -431,8 +239,8 @@ def _per_channel(x: torch.Tensor, q: Float8BlockQuantizer, fake_dtype: torch.dty
     shape = tuple(x.shape)
     m, k = flatten_2d(shape)
     x2 = x.reshape(m, k)
-    specs = q.describe_buffers(shape)
-    data = torch.empty(specs["_rowwise_data"].shape, dtype=torch.uint8)
+    lay = q.usage_layout(ROW)
+    data = torch.empty(q.describe_buffers(shape)[lay.data].shape, dtype=torch.uint8)
     d2 = data.view(m, k)
     scale_inv = torch.empty(m, dtype=torch.float32)
     step = max(1, (1 << 20) // max(k, 1))
@@ -443,18 +251,14 @@ def _per_channel(x: torch.Tensor, q: Float8BlockQuantizer, fake_dtype: torch.dty
                                    value_for_inf=nx.FP32_MAX)
         d2[r:r + step] = nx.scale_and_cast_to_fp8(xc, scale[:, None], E4M3)
         scale_inv[r:r + step] = nx.reciprocal(scale)
-    kb = nx.ceil_div(k, 128)
-    rs = _fill(specs["_rowwise_scale_inv"], (kb, m), scale_inv[None, :])
-    return q.tensor_class(shape, fake_dtype, q, _rowwise_data=data, _rowwise_scale_inv=rs)
+    rs = q.scale_buffer(scale_inv[:, None], shape, ROW)  # each row's blocks share its scale
+    return q.tensor_class(shape, fake_dtype, q, **{lay.data: data, lay.scale: rs})
 
 
 def uniform_rows(t: QuantizedTensorStorage) -> bool:
-    """Do all 1×128 blocks of each row of a rowwise blockwise-1D tensor share one scale?"""
-    shape = tuple(t.logical_shape)
-    m, k = flatten_2d(shape)
-    kb = nx.ceil_div(k, 128)
-    s = t.buffers()["_rowwise_scale_inv"][:kb, :m]
-    return bool((s == s[:1]).all()) if kb else True
+    """Do all rowwise blocks of each row share one scale?"""
+    g = t.quantizer.block_scales(t.buffers(), tuple(t.logical_shape), ROW)
+    return bool((g == g[:, :1]).all()) if g.numel() else True
 
 
 def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Step]:
@@ -483,25 +287,22 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
         return _per_channel(plain, q, step.out_dtype), step
     if step.builder == "quantize":
         x = src if not isinstance(src, QuantizedTensorStorage) else x_fn()
-        if q.kind == "fp8_delayed_scaling" and step.data_dependent:
-            q = _delayed_for(x, q)
+        if step.data_dependent:
+            q = q.settle(x)
             step = dataclasses.replace(step, out_q=q)
         try:
             return q.quantize(_quantize_input(x, q), fake_dtype=step.out_dtype), step
         except ShapeError as e:
             raise ConversionError(str(e)) from None
     # exact (possibly with some usages requantized)
-    p = src.quantizer
-    if step.data_dependent and q.kind == "fp8_delayed_scaling":
-        s_inv = src.buffers()["_scale_inv"].reshape(())
-        vals = x_fn()
-        q = Float8Quantizer(float(nx.reciprocal(s_inv)), float(nx.nan_ignoring_amax(vals)), q.fp8_dtype,
-                            rowwise=q.rowwise, columnwise=q.columnwise)
-        step = dataclasses.replace(step, out_q=q)
+    p, bufs = src.quantizer, src.buffers()
     out: dict[str, torch.Tensor] = {}
-    for usage in enabled(q):
+    for usage in q.usages_on():
         if usage not in step.requant:
-            out.update(_exact_usage(p, src, q, usage))
+            out.update(p.derive(bufs, shape, q, usage))
+    if step.data_dependent:
+        q = q.settle(x_fn(), out)
+        step = dataclasses.replace(step, out_q=q)
     if step.requant:
         qq = q.set_usage(rowwise=ROW in step.requant, columnwise=COL in step.requant)
         part = qq.quantize(_quantize_input(x_fn(), qq), fake_dtype=step.out_dtype)

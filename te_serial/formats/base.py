@@ -6,7 +6,13 @@ A format module declares three things once and everything else follows from them
 * its quantizer's ``_buffer_specs(shape)`` (the one place its buffer shapes and dtypes are written),
 * its quantizer's numerics: ``_prepare`` (tensor-wide quantities such as a per-tensor amax),
   ``_quantize_rows`` (one chunk of rows, written into the preallocated buffers) and
-  ``_dequantize``.
+  ``_dequantize``;
+* its rules (the protocol below): ``usage_layout`` (where each usage's data, scales and amax sit),
+  ``layout_key`` / ``layout_name`` (what defines the bytes), ``exact_output`` / ``derivable`` /
+  ``derive`` (which usages and formats it converts to exactly) and ``te_adapter`` (TE's classes).
+
+Valid scale regions, block scale grids, slicing and relayouts follow from ``usage_layout`` here,
+so nothing outside ``formats/`` needs to know a format's kind.
 
 Quantization runs over chunks of whole 128-row groups (every format's blocks fit inside one), so
 intermediates stay cache-sized: on CPU that is several times faster than whole-tensor ops, whose
@@ -25,15 +31,19 @@ from typing import Any, ClassVar, Mapping, NamedTuple
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .. import numerics as nx
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (BufferMismatchError, FormatError, ShapeError, UnknownQuantizerError,
                       UnknownStorageError, UnsupportedOperationError)
 
 __all__ = [
-    "BufferSpec", "StorageMeta", "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
-    "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "resolve_quantizer", "resolve_storage",
-    "flatten_2d",
+    "BufferSpec", "StorageMeta", "UsageLayout", "Quantizer", "QuantizedTensorStorage",
+    "QuantizedTensor", "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "resolve_quantizer",
+    "resolve_storage", "flatten_2d", "ROWWISE", "COLUMNWISE", "USAGES",
 ]
+
+ROWWISE, COLUMNWISE = "rowwise", "columnwise"
+USAGES = (ROWWISE, COLUMNWISE)
 
 
 class BufferSpec(NamedTuple):
@@ -45,6 +55,32 @@ class BufferSpec(NamedTuple):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+class UsageLayout(NamedTuple):
+    """Where one usage's bytes sit, in TE's 2-D view [M, K] of the logical tensor.
+
+    ``grid`` is the (rows, cols) span of one stored scale (None: one scale for the whole tensor);
+    ``tile`` the span one scale value is computed over when larger (2-D modes repeat a tile's
+    scale over its grid cells). Data is stored as [M, K] or, ``transposed``, as [K, M]
+    (``(S[-1], *S[:-1])``), with ``pack`` elements per byte along its last dim. The scale grid
+    [ceil(M / rows), ceil(K / cols)] sits at the top left of the scale buffer, transposed if
+    ``scale_transposed``; the rest of the buffer is zero padding.
+    """
+
+    data: str
+    scale: str
+    amax: str | None = None
+    grid: tuple[int, int] | None = None
+    tile: tuple[int, int] | None = None
+    transposed: bool = False
+    scale_transposed: bool = False
+    pack: int = 1
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The span one scale value covers (``tile`` if set, else ``grid``)."""
+        return self.tile or self.grid
 
 
 class StorageMeta(NamedTuple):
@@ -93,11 +129,28 @@ def require_divisible(shape: tuple[int, ...], block: int, fmt: str) -> None:
                          f"K = shape[-1]); got shape {tuple(shape)} with M={m}, K={k}")
 
 
+def spread_scales(tiles: torch.Tensor, tile: tuple[int, int], grid: tuple[int, int],
+                  grid_shape: tuple[int, int]) -> torch.Tensor:
+    """Scales of ``tile``-sized blocks repeated over a finer ``grid`` (which divides the tile),
+    cropped to ``grid_shape``: how a coarser block's scale becomes each of its cells' scale."""
+    fr, fc = tile[0] // grid[0], tile[1] // grid[1]
+    out = tiles.repeat_interleave(fr, dim=0) if fr > 1 else tiles
+    out = out.repeat_interleave(fc, dim=1) if fc > 1 else out
+    return out[: grid_shape[0], : grid_shape[1]]
+
+
+_SHORT_FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def fp8_short_name(dtype: torch.dtype) -> str:
+    """``e4m3`` / ``e5m2`` for layout names."""
+    return _SHORT_FP8.get(dtype) or dtype_name(dtype)
+
+
 def require_fp8_dtype(q: "Quantizer") -> None:
     """Refuse a quantizer whose ``fp8_dtype`` is not one of TE's two FP8 formats."""
-    from ..numerics import FP8_DTYPES
-    if q.fp8_dtype not in FP8_DTYPES:
-        raise FormatError(f"{type(q).__name__}: fp8_dtype must be one of {FP8_DTYPES}, got {q.fp8_dtype}")
+    if q.fp8_dtype not in nx.FP8_DTYPES:
+        raise FormatError(f"{type(q).__name__}: fp8_dtype must be one of {nx.FP8_DTYPES}, got {q.fp8_dtype}")
 
 
 #: checks for the annotated types of quantizer fields, as read from a file
@@ -213,6 +266,181 @@ class Quantizer:
                 raise BufferMismatchError(
                     f"{where}: buffer {name} should be {dtype_name(spec.dtype)}{list(spec.shape)}, "
                     f"got {b.dtype}{list(b.shape)}")
+
+    # --- the format's rules (the protocol every format implements) -----------------------------
+    #: adapter to TE's own classes (``formats/te_adapter.py``), set when the format registers one
+    te_adapter: ClassVar[Any] = None
+    #: holds tensor state (delayed scaling's scale and amax) that a conversion fills from the data
+    data_dependent: ClassVar[bool] = False
+
+    def usage_layout(self, usage: str) -> UsageLayout:
+        """Where ``usage``'s data, scales and amax sit (whether or not this quantizer makes it)."""
+        raise NotImplementedError
+
+    def layout_key(self) -> tuple:
+        """What gives the bytes their meaning: kind and layout fields (not usages, not how scales
+        were chosen). Equal keys mean a buffer of one is a valid buffer of the other."""
+        return (self.kind, *(getattr(self, f.name) for f in dataclasses.fields(self)
+                             if f.name not in ("rowwise", "columnwise")))
+
+    def layout_name(self) -> str:
+        """A descriptive name of the layout for reports, e.g. ``mxfp8_2d_e4m3``."""
+        return self.kind
+
+    def exact_output(self, target: "Quantizer") -> "Quantizer | None":
+        """The quantizer of an exact (or partly exact) conversion from this format into ``target``'s
+        format and usages, or None. The source's format declares its exact paths here."""
+        if self.same_layout(target):
+            return dataclasses.replace(self, rowwise=target.rowwise, columnwise=target.columnwise)
+        return None
+
+    def derivable(self, out: "Quantizer", usage: str) -> bool:
+        """Can ``usage`` of ``out`` (from :meth:`exact_output`) be built from this tensor's bytes?"""
+        return self.has_usage(usage)
+
+    def derive(self, buffers: Mapping[str, torch.Tensor], shape, out: "Quantizer",
+               usage: str) -> dict[str, torch.Tensor]:
+        """``usage``'s buffers of the ``out`` tensor, built from this tensor's bytes (``derivable``)."""
+        return self.usage_buffers(buffers, usage)
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype TE's kernel takes an input of ``dtype`` in (NVFP4's RHT casts to BF16)."""
+        return dtype
+
+    def deterministic(self) -> "Quantizer":
+        """This quantizer in a mode ``quantize`` reproduces (NVFP4: rounding to nearest)."""
+        return self
+
+    def settle(self, x: torch.Tensor, buffers: Mapping[str, torch.Tensor] | None = None) -> "Quantizer":
+        """This quantizer with its tensor state filled in for values ``x`` (and, when given, the
+        ``buffers`` an exact path built); only ``data_dependent`` formats change."""
+        return self
+
+    # --- rules that follow from usage_layout ---------------------------------------------------
+    def usages_on(self) -> tuple[str, ...]:
+        """The enabled usages, rowwise first."""
+        return tuple(u for u in USAGES if self.has_usage(u))
+
+    def has_usage(self, usage: str) -> bool:
+        return self.rowwise if usage == ROWWISE else self.columnwise
+
+    @property
+    def scale_per_tensor(self) -> bool:
+        """One scale for the whole tensor (per-tensor FP8)."""
+        return self.usage_layout(ROWWISE).grid is None
+
+    def same_layout(self, other: "Quantizer") -> bool:
+        return self.layout_key() == other.layout_key()
+
+    def usage_buffers(self, buffers: Mapping[str, torch.Tensor], usage: str) -> dict[str, torch.Tensor]:
+        """The buffers holding ``usage`` (data, scale, amax), taken from ``buffers``."""
+        lay = self.usage_layout(usage)
+        return {n: buffers[n] for n in (lay.data, lay.scale, lay.amax) if n is not None}
+
+    def grid_shape(self, shape, usage: str) -> tuple[int, int] | None:
+        """[ceil(M / rows), ceil(K / cols)] of ``usage``'s scale grid; None for one tensor scale."""
+        grid = self.usage_layout(usage).grid
+        if grid is None:
+            return None
+        m, k = flatten_2d(tuple(shape))
+        return -(-m // grid[0]), -(-k // grid[1])
+
+    def valid_regions(self, shape) -> dict[str, tuple[int, int]]:
+        """Scale buffer → (rows, cols) of its valid top-left region; the rest is zero padding.
+        The one place these regions are computed."""
+        out = {}
+        for u in self.usages_on():
+            lay, g = self.usage_layout(u), self.grid_shape(shape, u)
+            if g is not None:
+                out[lay.scale] = (g[1], g[0]) if lay.scale_transposed else g
+        return out
+
+    def zero_padding(self, buffers: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+        """``buffers`` with every scale buffer's padding zero: shared where it already is, else a
+        copy (TE leaves the padding uninitialized)."""
+        out = dict(buffers)
+        for name, (r, c) in self.valid_regions(shape).items():
+            s = out.get(name)
+            if s is None or tuple(s.shape) == (r, c):
+                continue
+            pad = s.clone()
+            pad[r:] = 0
+            pad[:, c:] = 0
+            if not torch.equal(pad.view(torch.uint8), s.view(torch.uint8)):
+                out[name] = pad
+        return out
+
+    def block_scales(self, buffers: Mapping[str, torch.Tensor], shape, usage: str) -> torch.Tensor:
+        """``usage``'s stored scales on the grid [ceil(M / rows), ceil(K / cols)] (a view, stored
+        dtype); [1, 1] for a per-tensor scale."""
+        lay = self.usage_layout(usage)
+        s, g = buffers[lay.scale], self.grid_shape(shape, usage)
+        if g is None:
+            return s.reshape(1, 1)
+        return s[: g[1], : g[0]].t() if lay.scale_transposed else s[: g[0], : g[1]]
+
+    def tile_scales(self, buffers: Mapping[str, torch.Tensor], shape, usage: str) -> torch.Tensor:
+        """One scale per ``usage_layout(usage).block`` (block_scales thinned where tiles repeat)."""
+        lay, g = self.usage_layout(usage), self.block_scales(buffers, shape, usage)
+        if lay.tile is None or lay.grid is None:
+            return g
+        return g[:: lay.tile[0] // lay.grid[0], :: lay.tile[1] // lay.grid[1]]
+
+    def scale_buffer(self, grid: torch.Tensor, shape, usage: str) -> torch.Tensor:
+        """A zero-padded scale buffer of ``usage`` holding ``grid`` ([grid rows, grid cols], or
+        anything that broadcasts to it)."""
+        lay = self.usage_layout(usage)
+        spec = self.describe_buffers(shape)[lay.scale]
+        out = torch.zeros(spec.shape, dtype=spec.dtype, device=grid.device)
+        g = self.grid_shape(shape, usage)
+        if g is None:
+            out.copy_(grid.reshape(out.shape))
+        elif lay.scale_transposed:
+            out[: g[1], : g[0]] = grid.t()
+        else:
+            out[: g[0], : g[1]] = grid
+        return out
+
+    def codes(self, buffers: Mapping[str, torch.Tensor], shape, usage: str) -> torch.Tensor:
+        """``usage``'s element codes as [M, K] uint8 (a view of the data unless unpacked)."""
+        lay = self.usage_layout(usage)
+        m, k = flatten_2d(tuple(shape))
+        rows, cols = (k, m) if lay.transposed else (m, k)
+        d = buffers[lay.data].reshape(rows, cols // lay.pack)
+        if lay.pack == 2:
+            d = nx.unpack_fp4(d)
+        return d.t() if lay.transposed else d
+
+    def data_buffer(self, codes: torch.Tensor, shape, usage: str) -> torch.Tensor:
+        """``usage``'s data buffer holding element codes [M, K] (inverse of :meth:`codes`)."""
+        lay = self.usage_layout(usage)
+        c = (codes.t() if lay.transposed else codes).contiguous()
+        if lay.pack == 2:
+            c = nx.pack_fp4(c)
+        return c.reshape(self.describe_buffers(shape)[lay.data].shape)
+
+    def relayout(self, buffers: Mapping[str, torch.Tensor], shape, out: "Quantizer", usage: str,
+                 src_usage: str, grid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``out``'s ``usage`` buffers holding this tensor's ``src_usage`` codes, with scales ``grid``
+        (on ``out``'s grid; default: the source's own block scales) and the source's amax."""
+        lay, src = out.usage_layout(usage), self.usage_layout(src_usage)
+        res = {lay.data: out.data_buffer(self.codes(buffers, shape, src_usage), shape, usage)}
+        g = self.block_scales(buffers, shape, src_usage) if grid is None else grid
+        res[lay.scale] = out.scale_buffer(g, shape, usage)
+        if lay.amax is not None:
+            res[lay.amax] = buffers[src.amax].clone()
+        return res
+
+    def slice_alignment(self) -> tuple[int, int]:
+        """(rows, cols) that a slice's start, and its end unless it is the tensor's end, must be a
+        multiple of: each enabled usage's scale block (``usage_layout.block``) and byte packing."""
+        r = c = 1
+        for u in self.usages_on():
+            lay = self.usage_layout(u)
+            br, bc = lay.block or (1, 1)
+            r = math.lcm(r, br, lay.pack if lay.transposed else 1)
+            c = math.lcm(c, bc, 1 if lay.transposed else lay.pack)
+        return r, c
 
     # --- numerics -------------------------------------------------------------------------------
     #: rows per chunk are a multiple of this (lcm of every format's block heights)

@@ -16,8 +16,9 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
-                   require_fp8_dtype)
+from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                   UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
+from .te_adapter import TE_FP8_CODE, TEAdapter, register_te_adapter, te_fp8_dtype
 
 BLOCK = 128
 
@@ -52,7 +53,11 @@ def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
 
 @dataclasses.dataclass(frozen=True)
 class Float8BlockQuantizer(Quantizer):
-    """Blockwise FP8: ``block_scaling_dim`` 1 → 1×128 vectors, 2 → 128×128 tiles."""
+    """Blockwise FP8: ``block_scaling_dim`` 1 → 1×128 vectors, 2 → 128×128 tiles.
+
+    Exact paths: 128×128 → either usage (the columnwise copy is the rowwise bytes transposed) and
+    → 1×128 (a tile's scale in each of its 1×128 / 128×1 segments); 1×128 → its own usages.
+    """
 
     kind: ClassVar[str] = "fp8_blockwise"
     storage_class: ClassVar[type] = Float8BlockwiseQTensorStorage
@@ -92,6 +97,43 @@ class Float8BlockQuantizer(Quantizer):
         return {"_rowwise_data": self.fp8_dtype, "_rowwise_scale_inv": torch.float32,
                 "_columnwise_data": self.fp8_dtype, "_columnwise_scale_inv": torch.float32}
 
+    # --- rules ------------------------------------------------------------------------------------
+    def usage_layout(self, usage):
+        two_d = self.block_scaling_dim == 2
+        if usage == ROWWISE:  # 1-D scales stored transposed: [ceil(K/128), roundup(M, 4)]
+            return UsageLayout("_rowwise_data", "_rowwise_scale_inv", grid=(BLOCK, BLOCK) if two_d else (1, BLOCK),
+                               scale_transposed=not two_d)
+        return UsageLayout("_columnwise_data", "_columnwise_scale_inv", grid=(BLOCK, BLOCK) if two_d else (BLOCK, 1),
+                           transposed=True, scale_transposed=two_d)
+
+    def layout_key(self):
+        return (self.kind, self.fp8_dtype, self.block_scaling_dim)
+
+    def layout_name(self):
+        return f"fp8_block{'_1d' if self.block_scaling_dim == 1 else ''}_{fp8_short_name(self.fp8_dtype)}"
+
+    def exact_output(self, target):
+        if not isinstance(target, Float8BlockQuantizer) or target.fp8_dtype != self.fp8_dtype:
+            return None
+        if target.block_scaling_dim not in (self.block_scaling_dim, 1):
+            return None
+        return dataclasses.replace(self, block_scaling_dim=target.block_scaling_dim,
+                                   rowwise=target.rowwise, columnwise=target.columnwise)
+
+    def derivable(self, out, usage):
+        if self.block_scaling_dim == 2:
+            return True
+        return self.has_usage(usage) and out.block_scaling_dim == 1
+
+    def derive(self, buffers, shape, out, usage):
+        if self.has_usage(usage) and out.block_scaling_dim == self.block_scaling_dim:
+            return self.usage_buffers(buffers, usage)
+        src = usage if self.has_usage(usage) else self.usages_on()[0]  # 128×128 here
+        grid = out.usage_layout(usage).grid
+        tiles = spread_scales(self.tile_scales(buffers, shape, src), (BLOCK, BLOCK), grid,
+                              out.grid_shape(shape, usage))
+        return self.relayout(buffers, shape, out, usage, src, tiles)
+
     def _scale(self, amax: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         return nx.scale_from_amax(amax, nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,
@@ -126,14 +168,40 @@ class Float8BlockQuantizer(Quantizer):
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         shape = tuple(shape)
         m, k = flatten_2d(shape)
-        mb, kb = nx.ceil_div(m, BLOCK), nx.ceil_div(k, BLOCK)
-        two_d = self.block_scaling_dim == 2
+        rows = BLOCK if self.block_scaling_dim == 2 else 1
         if "_rowwise_data" in buffers:
             q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k)
-            s = buffers["_rowwise_scale_inv"]
-            s = s[:mb, :kb] if two_d else s[:kb, :m].t()
-            return _scaled(q, s, BLOCK if two_d else 1, BLOCK).reshape(shape)
+            s = self.block_scales(buffers, shape, ROWWISE)
+            return _scaled(q, s, rows, BLOCK).reshape(shape)
         qt = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(k, m)
-        s = buffers["_columnwise_scale_inv"]
-        s = s[:kb, :mb] if two_d else s[:mb, :k].t()
-        return _scaled(qt, s, BLOCK if two_d else 1, BLOCK).t().reshape(shape)
+        s = self.block_scales(buffers, shape, COLUMNWISE).t()  # on the transposed data [K, M]
+        return _scaled(qt, s, rows, BLOCK).t().reshape(shape)
+
+
+class _BlockwiseTE(TEAdapter):
+    te_module = "tensor.float8_blockwise_tensor"
+    te_tensor = "Float8BlockwiseQTensor"
+    te_storage = "Float8BlockwiseQTensorStorage"
+
+    def read(self, t, tq, shape):
+        row, col = t._rowwise_data is not None, t._columnwise_data is not None
+        q = Float8BlockQuantizer(te_fp8_dtype(t._fp8_dtype), rowwise=row, columnwise=col,
+                                 block_scaling_dim=2 if t._is_2D_scaled else 1,
+                                 force_pow_2_scales=bool(getattr(tq, "force_pow_2_scales", True)),
+                                 amax_epsilon=float(getattr(tq, "amax_epsilon", 0.0)))
+        return q, {n: getattr(t, n) for n in Float8BlockwiseQTensorStorage.BUFFERS}
+
+    def te_quantizer(self, q, te):
+        return te.module(self.te_module).Float8BlockQuantizer(
+            te.DType(TE_FP8_CODE[q.fp8_dtype]), rowwise=q.rowwise, columnwise=q.columnwise,
+            amax_epsilon=q.amax_epsilon, force_pow_2_scales=q.force_pow_2_scales,
+            block_scaling_dim=q.block_scaling_dim)
+
+    def te_kwargs(self, q, buffers, te):
+        return dict(rowwise_data=buffers.get("_rowwise_data"), rowwise_scale_inv=buffers.get("_rowwise_scale_inv"),
+                    columnwise_data=buffers.get("_columnwise_data"),
+                    columnwise_scale_inv=buffers.get("_columnwise_scale_inv"),
+                    fp8_dtype=te.DType(TE_FP8_CODE[q.fp8_dtype]), is_2D_scaled=q.block_scaling_dim == 2)
+
+
+register_te_adapter(_BlockwiseTE(), Float8BlockQuantizer)

@@ -9,13 +9,16 @@ columnwise usage is served by the transpose.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from .base import BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, require_fp8_dtype
+from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                   UsageLayout, fp8_short_name, require_fp8_dtype)
+from .blockwise import Float8BlockQuantizer
+from .te_adapter import TE_FP8_CODE, TEAdapter, TEContext, register_te_adapter, te_fp8_dtype
 
 
 class Float8TensorStorage(QuantizedTensorStorage):
@@ -27,11 +30,53 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
 
 class _PerTensorFP8:
-    """Layout and numerics shared by both per-tensor FP8 quantizers."""
+    """Layout, rules and numerics shared by both per-tensor FP8 quantizers.
+
+    Exact paths out of per-tensor FP8 (same FP8 dtype): the other per-tensor scaling (same bytes
+    and scale_inv), the transpose (same bytes), and blockwise 1×128 / 128×128 (the one scale in
+    every block), which also gives DeepSeek and compressed-tensors layouts.
+    """
 
     storage_class: ClassVar[type] = Float8TensorStorage
     tensor_class: ClassVar[type] = Float8Tensor
     _dtype_fields: ClassVar[tuple[str, ...]] = ("fp8_dtype",)
+    _name: ClassVar[str]
+
+    def usage_layout(self, usage):
+        if usage == ROWWISE:
+            return UsageLayout("_data", "_scale_inv")
+        return UsageLayout("_transpose", "_scale_inv", transposed=True)
+
+    def layout_key(self):
+        return (self.kind, self.fp8_dtype)
+
+    def layout_name(self):
+        return f"{self._name}_{fp8_short_name(self.fp8_dtype)}"
+
+    def exact_output(self, target):
+        if getattr(target, "fp8_dtype", None) != self.fp8_dtype:
+            return None
+        use = dict(rowwise=target.rowwise, columnwise=target.columnwise)
+        if type(target) is type(self):
+            return dataclasses.replace(self, **use)
+        if isinstance(target, Float8CurrentScalingQuantizer):
+            return Float8CurrentScalingQuantizer(self.fp8_dtype, **use)
+        if isinstance(target, Float8Quantizer):
+            return Float8Quantizer(1.0, 0.0, self.fp8_dtype, **use)  # scale / amax settled from the data
+        if isinstance(target, Float8BlockQuantizer):
+            return Float8BlockQuantizer(self.fp8_dtype, block_scaling_dim=target.block_scaling_dim,
+                                        force_pow_2_scales=getattr(self, "force_pow_2_scales", False),
+                                        amax_epsilon=getattr(self, "amax_epsilon", 0.0), **use)
+        return None
+
+    def derivable(self, out, usage):
+        return True  # the transpose is the same bytes; the one scale fits every block
+
+    def derive(self, buffers, shape, out, usage):
+        src = usage if self.has_usage(usage) else next(u for u in self.usages_on())
+        if out.scale_per_tensor and src == usage:
+            return self.usage_buffers(buffers, usage)
+        return self.relayout(buffers, shape, out, usage, src)
 
     def _buffer_specs(self, shape):
         specs = {}
@@ -74,6 +119,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     """Per-tensor FP8 with the scale computed from this tensor's amax (``compute_scale_from_amax``)."""
 
     kind: ClassVar[str] = "fp8_current_scaling"
+    _name: ClassVar[str] = "fp8_current"
 
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     force_pow_2_scales: bool = dataclasses.field(default=False, kw_only=True)
@@ -107,6 +153,8 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
     """
 
     kind: ClassVar[str] = "fp8_delayed_scaling"
+    data_dependent: ClassVar[bool] = True
+    _name: ClassVar[str] = "fp8_delayed"
 
     scale: float = 1.0
     amax: float = 0.0
@@ -120,3 +168,65 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
 
     def _scale(self, x2):
         return torch.tensor(self.scale, dtype=torch.float32, device=x2.device)
+
+    def settle(self, x, buffers=None):
+        """As TE settles after seeing ``x``: amax = max|x| and, unless ``buffers`` already hold a
+        scale_inv to keep, scale = fp8_max / amax (margin 0)."""
+        amax = nx.nan_ignoring_amax(x)
+        if buffers is not None:
+            scale = nx.reciprocal(buffers["_scale_inv"].reshape(()))
+        else:
+            scale = nx.scale_from_amax(amax, nx.fp8_max(self.fp8_dtype), force_pow_2_scales=False,
+                                       epsilon=0.0, value_for_inf=nx.FP32_MAX)
+        return dataclasses.replace(self, scale=float(scale), amax=float(amax))
+
+
+class _Float8TE(TEAdapter):
+    """TE's ``Float8Tensor``: a ``_data``-only tensor whose quantizer asks for the columnwise usage
+    (Blackwell) gets its transpose, as te-serial keeps TE's Hopper layout; a tensor without a
+    quantizer (TE's pickles drop it) reads as current scaling."""
+
+    te_module = "tensor.float8_tensor"
+    te_tensor = "Float8Tensor"
+    te_storage = "Float8TensorStorage"
+
+    def read(self, t, tq, shape):
+        fp8 = te_fp8_dtype(t._fp8_dtype)
+        data, transpose = t._data, getattr(t, "_transpose", None)
+        if getattr(t, "_transpose_invalid", False):
+            transpose = None
+        derive_col = (tq is not None and bool(getattr(tq, "columnwise_usage", False))
+                      and transpose is None and data is not None)
+        row, col = data is not None, transpose is not None or derive_col
+        if tq is not None and not bool(getattr(tq, "rowwise_usage", True)) and col:
+            row = False
+        kind = type(tq).__name__ if tq is not None else None
+        if kind == "Float8Quantizer":  # delayed scaling: the quantizer's scale and amax are state
+            q = Float8Quantizer(tq.scale, tq.amax, fp8, rowwise=row, columnwise=col)
+        elif kind in (None, "Float8CurrentScalingQuantizer"):
+            q = Float8CurrentScalingQuantizer(fp8, rowwise=row, columnwise=col,
+                                              force_pow_2_scales=bool(getattr(tq, "force_pow_2_scales", False)),
+                                              amax_epsilon=float(getattr(tq, "amax_epsilon", 0.0)))
+        else:
+            raise FormatError(f"Float8 tensor with quantizer {kind} is not supported")
+        bufs = {"_data": data if row else None, "_transpose": transpose, "_scale_inv": t._scale_inv.reshape(1)}
+        if derive_col:
+            src = q.set_usage(rowwise=True, columnwise=False)
+            bufs.update(src.derive({"_data": data, "_scale_inv": bufs["_scale_inv"]}, shape, q, COLUMNWISE))
+        return q, bufs
+
+    def te_quantizer(self, q, te: TEContext) -> Any:
+        mod, dt = te.module(self.te_module), te.DType(TE_FP8_CODE[q.fp8_dtype])
+        usage = dict(rowwise=q.rowwise, columnwise=q.columnwise)
+        if isinstance(q, Float8Quantizer):
+            return mod.Float8Quantizer(torch.tensor([q.scale]), torch.tensor([q.amax]), dt, **usage)
+        return mod.Float8CurrentScalingQuantizer(dt, torch.device("cpu"), **usage,
+                                                 force_pow_2_scales=q.force_pow_2_scales,
+                                                 amax_epsilon=q.amax_epsilon)
+
+    def te_kwargs(self, q, buffers, te):
+        return dict(data=buffers.get("_data"), fp8_scale_inv=buffers["_scale_inv"],
+                    fp8_dtype=te.DType(TE_FP8_CODE[q.fp8_dtype]), data_transpose=buffers.get("_transpose"))
+
+
+register_te_adapter(_Float8TE(), Float8Quantizer, Float8CurrentScalingQuantizer)

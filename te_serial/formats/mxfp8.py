@@ -15,8 +15,10 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
-                   require_divisible, require_fp8_dtype)
+from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                   UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
+                   spread_scales)
+from .te_adapter import TE_FP8_CODE, TEAdapter, register_te_adapter, te_fp8_dtype
 
 BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE (pytorch/constants.py)
 
@@ -31,7 +33,12 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
 
 @dataclasses.dataclass(frozen=True)
 class MXFP8Quantizer(Quantizer):
-    """MXFP8 1×32 blocks (or 32×32 tiles with ``with_2d_quantization``), E8M0 ceil-exponent scales."""
+    """MXFP8 1×32 blocks (or 32×32 tiles with ``with_2d_quantization``), E8M0 ceil-exponent scales.
+
+    Exact paths: 32×32 → 1×32 (tile scales are block scales) and, in 32×32 mode, either usage
+    from the other (both hold the same bytes; a tile's exponent spread over its blocks).
+    Slices align to 32 in both dims (the format's shape rule).
+    """
 
     kind: ClassVar[str] = "mxfp8"
     storage_class: ClassVar[type] = MXFP8TensorStorage
@@ -66,6 +73,41 @@ class MXFP8Quantizer(Quantizer):
         return {"_rowwise_data": self.fp8_dtype, "_rowwise_scale_inv": torch.float8_e8m0fnu,
                 "_columnwise_data": self.fp8_dtype, "_columnwise_scale_inv": torch.float8_e8m0fnu}
 
+    # --- rules ------------------------------------------------------------------------------------
+    def usage_layout(self, usage):
+        tile = (BLOCK, BLOCK) if self.with_2d_quantization else None
+        if usage == ROWWISE:
+            return UsageLayout("_rowwise_data", "_rowwise_scale_inv", grid=(1, BLOCK), tile=tile)
+        return UsageLayout("_columnwise_data", "_columnwise_scale_inv", grid=(BLOCK, 1), tile=tile)
+
+    def layout_key(self):
+        return (self.kind, self.fp8_dtype, self.with_2d_quantization)
+
+    def layout_name(self):
+        return f"mxfp8{'_2d' if self.with_2d_quantization else ''}_{fp8_short_name(self.fp8_dtype)}"
+
+    def slice_alignment(self):
+        return BLOCK, BLOCK
+
+    def exact_output(self, target):
+        if not isinstance(target, MXFP8Quantizer) or target.fp8_dtype != self.fp8_dtype:
+            return None
+        if target.with_2d_quantization and not self.with_2d_quantization:
+            return None
+        return dataclasses.replace(self, with_2d_quantization=target.with_2d_quantization,
+                                   rowwise=target.rowwise, columnwise=target.columnwise)
+
+    def derivable(self, out, usage):
+        return self.has_usage(usage) or self.with_2d_quantization
+
+    def derive(self, buffers, shape, out, usage):
+        if self.has_usage(usage):
+            return self.usage_buffers(buffers, usage)
+        src = ROWWISE if usage == COLUMNWISE else COLUMNWISE
+        grid = spread_scales(self.tile_scales(buffers, shape, src), (BLOCK, BLOCK), out.usage_layout(usage).grid,
+                             out.grid_shape(shape, usage))
+        return self.relayout(buffers, shape, out, usage, src, grid)
+
     def _block_exponents(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """E8M0 exponents: rowwise [M, K/32] and columnwise [M/32, K]."""
         m, k = x2.shape
@@ -96,8 +138,34 @@ class MXFP8Quantizer(Quantizer):
         m, k = flatten_2d(tuple(shape))
         if "_rowwise_data" in buffers:
             q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k // BLOCK, BLOCK)
-            s = nx.e8m0_dequant_scale(buffers["_rowwise_scale_inv"][:m, : k // BLOCK])
+            s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, ROWWISE))
             return (q * s[..., None]).reshape(shape)
         q = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(m // BLOCK, BLOCK, k)
-        s = nx.e8m0_dequant_scale(buffers["_columnwise_scale_inv"][: m // BLOCK, :k])
+        s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, COLUMNWISE))
         return (q * s[:, None, :]).reshape(shape)
+
+
+class _MXFP8TE(TEAdapter):
+    te_module = "tensor.mxfp8_tensor"
+    te_tensor = "MXFP8Tensor"
+    te_storage = "MXFP8TensorStorage"
+
+    def read(self, t, tq, shape):
+        q = MXFP8Quantizer(te_fp8_dtype(t._fp8_dtype), rowwise=t._rowwise_data is not None,
+                           columnwise=t._columnwise_data is not None,
+                           with_2d_quantization=bool(getattr(tq, "with_2d_quantization", False)))
+        return q, {n: getattr(t, n) for n in MXFP8TensorStorage.BUFFERS}
+
+    def te_quantizer(self, q, te):
+        return te.module(self.te_module).MXFP8Quantizer(
+            te.DType(TE_FP8_CODE[q.fp8_dtype]), rowwise=q.rowwise, columnwise=q.columnwise,
+            with_2d_quantization=q.with_2d_quantization)
+
+    def te_kwargs(self, q, buffers, te):
+        return dict(rowwise_data=buffers.get("_rowwise_data"), rowwise_scale_inv=buffers.get("_rowwise_scale_inv"),
+                    columnwise_data=buffers.get("_columnwise_data"),
+                    columnwise_scale_inv=buffers.get("_columnwise_scale_inv"),
+                    fp8_dtype=te.DType(TE_FP8_CODE[q.fp8_dtype]), with_gemm_swizzled_scales=False)
+
+
+register_te_adapter(_MXFP8TE(), MXFP8Quantizer)

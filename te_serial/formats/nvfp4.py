@@ -16,9 +16,10 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from ..errors import QuantizationError, ShapeError
-from .base import (BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer, flatten_2d,
-                   require_divisible)
+from ..errors import FormatError, QuantizationError, ShapeError
+from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                   UsageLayout, flatten_2d, require_divisible, spread_scales)
+from .te_adapter import TEAdapter, register_te_adapter
 
 BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)
 E4M3_MAX = 448.0
@@ -57,7 +58,12 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
-    """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling."""
+    """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling.
+
+    Exact paths: 16×16 → 1×16 (tile scales are block scales) and, in 16×16 mode without the RHT,
+    either usage from the other (a nibble transpose, tile scales spread, same amax). Slices
+    align to 16 in both dims (the format's shape rule) and keep the parent's tensor amax.
+    """
 
     kind: ClassVar[str] = "nvfp4"
     storage_class: ClassVar[type] = NVFP4TensorStorage
@@ -99,6 +105,62 @@ class NVFP4Quantizer(Quantizer):
         return {"_rowwise_data": torch.uint8, "_rowwise_scale_inv": torch.float8_e4m3fn,
                 "_columnwise_data": torch.uint8, "_columnwise_scale_inv": torch.float8_e4m3fn,
                 "_amax_rowwise": torch.float32, "_amax_columnwise": torch.float32}
+
+    # --- rules ------------------------------------------------------------------------------------
+    def usage_layout(self, usage):
+        tile = (BLOCK, BLOCK) if self.with_2d_quantization else None
+        if usage == ROWWISE:
+            return UsageLayout("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise", grid=(1, BLOCK),
+                               tile=tile, pack=2)
+        return UsageLayout("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise", grid=(BLOCK, 1),
+                           tile=tile, transposed=True, scale_transposed=True, pack=2)
+
+    def layout_key(self):
+        return (self.kind, self.with_2d_quantization, self.with_rht,
+                self.with_rht and self.with_random_sign_mask)  # the sign mask matters only with the RHT
+
+    def layout_name(self):
+        return f"nvfp4{'_2d' if self.with_2d_quantization else ''}{'_rht' if self.with_rht else ''}"
+
+    def slice_alignment(self):
+        return BLOCK, BLOCK
+
+    def input_dtype(self, dtype):
+        return torch.bfloat16 if self.with_rht and self.columnwise else dtype  # TE's RHT cast takes BF16
+
+    def deterministic(self):
+        return dataclasses.replace(self, stochastic_rounding=False)
+
+    def _same_columnwise(self, other: "NVFP4Quantizer") -> bool:
+        return self.with_rht == other.with_rht and (not self.with_rht
+                                                   or self.with_random_sign_mask == other.with_random_sign_mask)
+
+    def exact_output(self, target):
+        if not isinstance(target, NVFP4Quantizer):
+            return None
+        if target.with_2d_quantization and not self.with_2d_quantization:
+            return None
+        out = dataclasses.replace(self, with_2d_quantization=target.with_2d_quantization,
+                                  rowwise=target.rowwise, columnwise=target.columnwise)
+        if target.columnwise and not (self.columnwise and self._same_columnwise(target)):
+            out = dataclasses.replace(out, with_rht=target.with_rht, with_post_rht_amax=target.with_post_rht_amax,
+                                      with_random_sign_mask=target.with_random_sign_mask)
+        return out
+
+    def derivable(self, out, usage):
+        if usage == ROWWISE:
+            return self.rowwise or (self.with_2d_quantization and not self.with_rht)
+        if self.columnwise and self._same_columnwise(out):
+            return True
+        return self.rowwise and self.with_2d_quantization and not out.with_rht
+
+    def derive(self, buffers, shape, out, usage):
+        if self.has_usage(usage) and (usage == ROWWISE or self._same_columnwise(out)):
+            return self.usage_buffers(buffers, usage)
+        src = ROWWISE if usage == COLUMNWISE else COLUMNWISE  # 16×16 tiles without the RHT
+        grid = spread_scales(self.tile_scales(buffers, shape, src), (BLOCK, BLOCK), out.usage_layout(usage).grid,
+                             out.grid_shape(shape, usage))
+        return self.relayout(buffers, shape, out, usage, src, grid)
 
     def _encode(self, x2: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize rows of x2 [R, C] in blocks of 16 along C: (packed data [R, C/2], scales [R, C/16])."""
@@ -173,22 +235,66 @@ class NVFP4Quantizer(Quantizer):
 
     @staticmethod
     def _decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, r: int, c: int) -> torch.Tensor:
-        """dequantize_nvfp4.cuh: q * (float(e4m3 scale) * amax * (1 / (6 * 448)))."""
+        """dequantize_nvfp4.cuh: q * (float(e4m3 scale) * amax * (1 / (6 * 448))); ``scale`` is the
+        [r, c / 16] block scale grid."""
         codes = nx.unpack_fp4(data.reshape(r, c // 2))
         q = nx.fp4_codes_to_float(codes).reshape(r, c // BLOCK, BLOCK)
-        s = nx.fp8_to_float(scale[:r, : c // BLOCK], torch.float8_e4m3fn)
+        s = nx.fp8_to_float(scale.contiguous(), torch.float8_e4m3fn)
         factor = torch.tensor(1.0 / (nx.FP4_MAX * E4M3_MAX), dtype=torch.float32, device=data.device)
         final = s * amax.float().reshape(()) * factor
         return (q * final[..., None]).reshape(r, c)
+
+    def _inverse_rht(self, values: torch.Tensor) -> torch.Tensor:
+        """Undo the RHT on decoded columnwise values [K, M] (groups of 16 along M).
+
+        R = diag(signs) H16 / 4 is orthogonal, so the inverse is Rᵀ: each output is the 16-term
+        dot product ``sum_i v[16g + i] * R[j, i]``, formed exactly (float64: the 16 values share
+        one block scale, so the sum needs far fewer than 53 bits) and rounded once to fp32.
+        """
+        h = rht_matrix(self.with_random_sign_mask, values.device).double()
+        return (values.reshape(-1, BLOCK).double() @ h.t()).float().reshape(values.shape)
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         shape = tuple(shape)
         m, k = flatten_2d(shape)
         if "_rowwise_data" in buffers:
-            return self._decode(buffers["_rowwise_data"], buffers["_rowwise_scale_inv"],
+            return self._decode(buffers["_rowwise_data"], self.block_scales(buffers, shape, ROWWISE),
                                 buffers["_amax_rowwise"], m, k).reshape(shape)
-        values = self._decode(buffers["_columnwise_data"], buffers["_columnwise_scale_inv"],
+        values = self._decode(buffers["_columnwise_data"], self.block_scales(buffers, shape, COLUMNWISE).t(),
                               buffers["_amax_columnwise"], k, m)
-        if self.with_rht:  # H/4 is orthogonal and symmetric up to the signs: undo with its transpose
-            values = (values.reshape(-1, BLOCK) @ rht_matrix(self.with_random_sign_mask, values.device).t()).reshape(k, m)
+        if self.with_rht:
+            values = self._inverse_rht(values)
         return values.t().reshape(shape)
+
+
+class _NVFP4TE(TEAdapter):
+    te_module = "tensor.nvfp4_tensor"
+    te_tensor = "NVFP4Tensor"
+    te_storage = "NVFP4TensorStorage"
+
+    def read(self, t, tq, shape):
+        if getattr(t, "_row_scaled_nvfp4", False) or getattr(t, "_nvfp4_use_4over6", False):
+            raise FormatError("row-scaled and 4over6 NVFP4 tensors are not supported by te-serial yet")
+        q = NVFP4Quantizer(rowwise=t._rowwise_data is not None, columnwise=t._columnwise_data is not None,
+                           with_rht=bool(getattr(tq, "with_rht", False)),
+                           with_post_rht_amax=bool(getattr(tq, "with_post_rht_amax", False)),
+                           with_2d_quantization=bool(getattr(tq, "with_2d_quantization", False)),
+                           stochastic_rounding=bool(getattr(tq, "stochastic_rounding", False)),
+                           with_random_sign_mask=bool(getattr(tq, "rht_matrix_random_sign_mask_t", 1)))
+        return q, {n: getattr(t, n) for n in NVFP4TensorStorage.BUFFERS}
+
+    def te_quantizer(self, q, te):
+        return te.module(self.te_module).NVFP4Quantizer(
+            rowwise=q.rowwise, columnwise=q.columnwise, with_rht=q.with_rht,
+            with_post_rht_amax=q.with_post_rht_amax, with_2d_quantization=q.with_2d_quantization,
+            stochastic_rounding=q.stochastic_rounding, with_random_sign_mask=q.with_random_sign_mask)
+
+    def te_kwargs(self, q, buffers, te):
+        return dict(rowwise_data=buffers.get("_rowwise_data"), rowwise_scale_inv=buffers.get("_rowwise_scale_inv"),
+                    columnwise_data=buffers.get("_columnwise_data"),
+                    columnwise_scale_inv=buffers.get("_columnwise_scale_inv"),
+                    amax_rowwise=buffers.get("_amax_rowwise"), amax_columnwise=buffers.get("_amax_columnwise"),
+                    fp4_dtype=te.DType.kFloat4E2M1, with_gemm_swizzled_scales=False)
+
+
+register_te_adapter(_NVFP4TE(), NVFP4Quantizer)

@@ -53,6 +53,7 @@ __all__ = [
     "nvfp4_global_encode_scale",
     "rht_matrix",
     "apply_rht_bf16",
+    "inverse_rht",
     "ref_float8_current",
     "ref_float8_delayed",
     "ref_mxfp8",
@@ -687,6 +688,18 @@ def apply_rht_bf16(xt: torch.Tensor, with_random_sign_mask: bool = True) -> torc
     return bf16_round(v.to(_F32)).reshape(R_, C)
 
 
+def inverse_rht(t: torch.Tensor, with_random_sign_mask: bool = True) -> torch.Tensor:
+    """Undo the RHT on decoded columnwise values (R, C), groups of 16 along the last dim.
+
+    te-serial's documented rule (TE has no CPU inverse): R = diag(s) H16 / 4 is orthogonal, so
+    y[r, 16g + j] = sum_i t[r, 16g + i] * R[j, i], formed exactly and rounded once to fp32. The 16
+    values of a group share one block scale, so the float64 sum below is exact.
+    """
+    R_, C = t.shape
+    v = t.to(torch.float64).reshape(-1, 16) @ rht_matrix(with_random_sign_mask).t()
+    return v.to(_F32).reshape(R_, C)
+
+
 def _nvfp4_columnwise_data_shape(shape: Tuple[int, ...], M: int, K: int, two_d: bool):
     if two_d or len(shape) <= 2:
         return (K, M // 2)
@@ -791,9 +804,9 @@ def ref_dequantize(
     """Dequantize TE buffers to float32 of the logical ``shape``.
 
     kind: "float8" (fields: fp8_dtype), "mxfp8" (fp8_dtype), "blockwise" (fp8_dtype,
-    block_scaling_dim=2), "nvfp4" (with_rht=False).  Rowwise data is used when present, else the
-    columnwise data (undoing its transpose/layout).  NVFP4 columnwise-only with RHT raises
-    NotImplementedError (TE does too).
+    block_scaling_dim=2), "nvfp4" (with_rht=False, with_random_sign_mask=True).  Rowwise data is
+    used when present, else the columnwise data (undoing its transpose/layout; NVFP4 with RHT:
+    :func:`inverse_rht`, te-serial's rule, where TE has no CPU path).
     """
     shape = tuple(int(s) for s in shape)
     K = shape[-1]
@@ -851,9 +864,9 @@ def ref_dequantize(
 
         if get("_rowwise_data") is not None:
             return deq(get("_rowwise_data"), get("_rowwise_scale_inv"), get("_amax_rowwise"), M, K).reshape(shape)
-        if fields.get("with_rht", False):
-            raise NotImplementedError("NVFP4 columnwise-only dequantize with RHT is not supported")
         t = deq(get("_columnwise_data"), get("_columnwise_scale_inv"), get("_amax_columnwise"), K, M)
+        if fields.get("with_rht", False):
+            t = inverse_rht(t, fields.get("with_random_sign_mask", True))
         return t.t().reshape(shape)
 
     raise ValueError(f"unknown kind {kind!r}")

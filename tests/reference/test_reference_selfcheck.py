@@ -712,8 +712,25 @@ def test_nvfp4_rht_matches_te_apply_rht_formula():
     # orthogonality: R R^T = I
     m = R.rht_matrix(True)
     assert torch.equal(m @ m.t(), torch.eye(16, dtype=torch.float64))
-    with pytest.raises(NotImplementedError):
-        R.ref_dequantize("nvfp4", {k: v for k, v in b.items() if "columnwise" in k}, x.shape, with_rht=True)
+    # the inverse (te-serial's rule): exact 16-term sums rounded once to fp32, checked with fractions
+    col = {k: v for k, v in b.items() if "columnwise" in k}
+    got = R.ref_dequantize("nvfp4", col, x.shape, with_rht=True, with_random_sign_mask=signs)
+    rht_domain = R.ref_dequantize("nvfp4", col, x.shape).t().reshape(-1, 16)
+    assert torch.equal(got.t().reshape(-1, 16), exact_inverse_rht(rht_domain, R.rht_matrix(signs)))
+
+
+def exact_inverse_rht(v: torch.Tensor, rm: torch.Tensor) -> torch.Tensor:
+    """fp32 of the exact sums sum_i v[g, i] * rm[j, i] (finite v), in Python fractions."""
+    from fractions import Fraction
+    r = [[Fraction(float(e)) for e in row] for row in rm.tolist()]
+    out = []
+    for group in v.double().tolist():
+        fv = [Fraction(e) for e in group]
+        for j in range(16):
+            exact = sum(a * b for a, b in zip(fv, r[j]))
+            assert Fraction(float(exact)) == exact  # exact in float64, so one rounding to fp32 below
+            out.append(float(exact))
+    return torch.tensor(out, dtype=torch.float64).to(torch.float32).reshape(v.shape)
 
 
 def test_nvfp4_shapes_and_errors():
