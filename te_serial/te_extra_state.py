@@ -71,15 +71,47 @@ and CPU ``torch.Tensor`` only. A recipe object becomes ``{"__class__": "DelayedS
 Everything else -- an unknown global, a ``REDUCE`` of anything but the combinations above,
 ``INST``/``OBJ``/``NEWOBJ_EX``/``EXT*``/``PERSID``/buffers/sets/py2 strings, cycles, nesting
 deeper than :data:`MAX_DEPTH`, storages that claim more bytes than present or more than
-:data:`MAX_STORAGE_BYTES`, out-of-bounds views, truncated or trailing data -- raises
-:class:`UnsafeExtraStateError` (a :class:`~te_serial.errors.UnsupportedValueError`) naming what was
-refused and where.
+:data:`MAX_STORAGE_BYTES`, views with a negative or zero stride (on a dimension of size > 1),
+overlapping views, views reaching past their storage, recipe fields that are not plain
+identifiers (``__class__``, ``__reduce_ex__`` ...), zip payloads with compressed, encrypted or more
+than :data:`MAX_ZIP_ENTRIES` entries, truncated or trailing data -- raises
+:class:`UnsafeExtraStateError` (a :class:`~te_serial.errors.UnsupportedValueError`, so a
+:class:`~te_serial.errors.CheckpointError`) naming what was refused and where. No other exception
+class leaves :func:`decode_te_extra_state` for any input.
+
+Bounds
+------
+All ``_extra_state`` entries of one checkpoint share one :class:`ExtraStateBudget`, made from
+F = the checkpoint's size in bytes (the manifest plus every buffer file; for a single file, its
+size):
+
+* work -- pickle opcodes interpreted plus values checked, converted or rebuilt -- at most
+  ``min(2,000,000, 65,536 + F / 4)`` steps for the whole checkpoint, and at most 262,144
+  (:data:`MAX_PAYLOAD_WORK`) for the decoding of any one payload;
+* bytes -- tensor and storage bytes materialized by the decoder, tensor copies and encoded
+  payloads made while loading -- at most ``2 * F + 16 MiB`` for the whole checkpoint;
+* one payload at most :data:`MAX_PAYLOAD_BYTES` (64 MiB), one storage at most
+  :data:`MAX_STORAGE_BYTES` (64 MiB), a zip payload at most :data:`MAX_ZIP_ENTRIES` entries,
+  stored (never compressed) and unencrypted; at most :data:`MAX_MEMO` memo entries,
+  :data:`MAX_STACK` stack items, :data:`MAX_DEPTH` levels of nesting, ints of
+  :data:`MAX_INT_BITS` bits.
+
+A value decoded outside a checkpoint (``decode_te_extra_state(value)``, e.g. while saving)
+gets a budget of its own with F = the payload's length. Past a bound the entry is refused with
+:class:`UnsafeExtraStateError` before the memory is allocated. While one entry is encoded,
+transient memory is a small multiple (about 4x) of that entry's tensor bytes.
 
 :func:`encode_te_extra_state` is the inverse: it rebuilds real
 ``transformer_engine.common.recipe`` objects (so it needs TE's Python package importable) and
 calls ``pickle.dumps`` exactly as ``get_extra_state`` does, so TE's ``set_extra_state`` reads the
 result and, for the same state, the bytes equal TE's own except for the storage keys inside
-the nested ``torch.save`` payloads (TE uses the storages' memory addresses).
+the nested ``torch.save`` payloads (TE uses the storages' memory addresses). What it pickles is
+only what it built itself -- plain values, CPU tensor copies, and instances of the installed TE's
+recipe classes whose instance dicts hold such values under identifier, non-dunder names -- so
+the result is not decoded again (a pure-Python re-check over bytes we produced ourselves would
+only cost time in proportion to the payload). Where the installed TE (or its absence) cannot
+express a valid state, it raises :class:`TEUnavailableError`; loading then returns the decoded
+state with a warning.
 """
 
 from __future__ import annotations
@@ -89,6 +121,8 @@ import io
 import pickle
 import pickletools
 import re
+import reprlib
+import struct
 import sys
 import zipfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -99,6 +133,9 @@ from .errors import UnsupportedValueError
 
 __all__ = [
     "UnsafeExtraStateError",
+    "TEUnavailableError",
+    "ExtraStateBudget",
+    "check_extra_state",
     "decode_te_extra_state",
     "encode_te_extra_state",
     "is_stateless_extra_state",
@@ -119,21 +156,83 @@ class UnsafeExtraStateError(UnsupportedValueError):
     """A TE ``_extra_state`` payload uses something the restricted decoder refuses (or is malformed)."""
 
 
+class TEUnavailableError(UnsupportedValueError):
+    """A valid extra state that the installed Transformer Engine cannot express as TE's bytes:
+    its recipe module is not importable, or lacks a class, enum member or field layout the state
+    names. Loading returns the decoded state with a warning instead."""
+
+
 # --------------------------------------------------------------------------- limits
 
-MAX_PAYLOAD_BYTES = 256 << 20
-"""Largest extra-state payload accepted (a 64-GEMM GroupedLinear's amax history is < 1 MiB)."""
-MAX_STORAGE_BYTES = 256 << 20
+MAX_PAYLOAD_BYTES = 64 << 20
+"""Largest extra-state payload accepted (a 256-GEMM GroupedLinear's amax histories are ~5 MiB)."""
+MAX_STORAGE_BYTES = 64 << 20
 """Largest single storage accepted."""
 MAX_DEPTH = 32
 """Deepest container nesting accepted in the decoded value."""
 MAX_NODES = 1_000_000
-"""Most values (counting shared ones each time they are reachable) in the decoded value."""
+"""Most values (counting shared ones each time they are reachable) in one decoded value."""
 MAX_STACK = 100_000
 MAX_MARKS = 64
-MAX_MEMO = 1_000_000
+MAX_MEMO = 65_536
 MAX_INT_BITS = 1024
 MAX_NDIM = 32
+MAX_ZIP_ENTRIES = 1024
+"""Most entries in a zip-format ``torch.save`` payload (TE 1.x wrote fewer than 20)."""
+
+MAX_WORK = 2_000_000
+"""Most work units (opcodes + values) for all extra state of one checkpoint."""
+MAX_PAYLOAD_WORK = 1 << 18
+"""Most work units one payload's decode may spend (a TE payload needs a few thousand)."""
+WORK_SLACK = 1 << 16
+WORK_BYTES_PER_UNIT = 4
+BYTES_FACTOR = 2
+BYTES_SLACK = 16 << 20
+
+
+class ExtraStateBudget:
+    """Work and bytes that all ``_extra_state`` entries of one checkpoint may spend together.
+
+    ``file_bytes`` is the checkpoint's size (manifest + buffer files). Work (pickle opcodes
+    interpreted, values checked / converted / rebuilt) is bounded by
+    ``min(MAX_WORK, WORK_SLACK + file_bytes // WORK_BYTES_PER_UNIT)``; bytes (tensor bytes
+    materialized by the decoder, storage bytes it copies, encoded payloads) by
+    ``BYTES_FACTOR * file_bytes + BYTES_SLACK``. Exceeding either raises
+    :class:`UnsafeExtraStateError` before the memory is allocated.
+    """
+
+    __slots__ = ("file_bytes", "max_work", "max_bytes", "work", "bytes")
+
+    def __init__(self, file_bytes: int) -> None:
+        f = max(0, int(file_bytes))
+        self.file_bytes = f
+        self.max_work = min(MAX_WORK, WORK_SLACK + f // WORK_BYTES_PER_UNIT)
+        self.max_bytes = BYTES_FACTOR * f + BYTES_SLACK
+        self.work = 0
+        self.bytes = 0
+
+    def __repr__(self) -> str:
+        return (f"ExtraStateBudget(file_bytes={self.file_bytes}, work={self.work}/{self.max_work}, "
+                f"bytes={self.bytes}/{self.max_bytes})")
+
+    def exhausted(self, where: Optional[str]) -> UnsafeExtraStateError:
+        return UnsafeExtraStateError(
+            f"TE extra state: over its budget of {self.max_work} steps (pickle opcodes and value "
+            f"nodes; checkpoint of {self.file_bytes} bytes)", tensor=where)
+
+    def spend(self, units: int, where: Optional[str]) -> None:
+        self.work += units
+        if self.work > self.max_work:
+            raise self.exhausted(where)
+
+    def spend_bytes(self, n: int, where: Optional[str], what: str = "") -> None:
+        self.bytes += n
+        if self.bytes > self.max_bytes:
+            raise UnsafeExtraStateError(
+                f"TE extra state: {what + ' ' if what else ''}would take the checkpoint's extra "
+                f"state past {self.max_bytes} bytes (2 x its {self.file_bytes} bytes + 16 MiB)",
+                tensor=where)
+
 
 # --------------------------------------------------------------------------- what TE writes
 
@@ -250,10 +349,68 @@ def _describe(obj: Any) -> str:
     return type(obj).__name__
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib that never builds the full repr of a large bytes / str value first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 60, 60, 60
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = 6
+
+    def repr_bytes(self, x, level):
+        return repr(bytes(x[:40])) + (f"...({len(x)} bytes)" if len(x) > 40 else "")
+
+    repr_bytearray = repr_bytes
+
+
+_SHORT = _ShortRepr()
+
+
+def _short(obj: Any) -> str:
+    """A bounded repr for error messages (a hostile value may be megabytes long)."""
+    try:
+        return _SHORT.repr(obj)
+    except Exception:  # pylint: disable=broad-except  # a repr is never worth an escaping error
+        return f"<{type(obj).__name__}>"
+
+
+def _bad_field_name(name: Any) -> bool:
+    """Recipe instance-dict keys must be plain identifiers; never dunders (``__reduce_ex__`` in an
+    instance dict would be called by ``pickle.dumps``; ``__class__`` / ``__dict__`` are not
+    fields)."""
+    return type(name) is not str or not name.isidentifier() or (
+        name.startswith("__") and name.endswith("__"))
+
+
+class _Ctx:
+    """One decode: where to name in errors, the budget, and storages already turned into tensors."""
+
+    __slots__ = ("where", "budget", "bases", "handed_out")
+
+    def __init__(self, where: Optional[str], budget: ExtraStateBudget) -> None:
+        self.where, self.budget = where, budget
+        self.bases: Dict[int, torch.Tensor] = {}
+        self.handed_out: set = set()
+
+
 # --------------------------------------------------------------------------- the stack machine
 
 _MARK = object()
 _SCALARS = (type(None), bool, int, float, str, bytes)
+_SCALAR_SET = frozenset(_SCALARS)
+
+
+_INTS = frozenset({int, bool})
+
+
+def _widest_int(values: Any) -> int:
+    """Bits of the widest int among scalars (C speed when they are all ints / bools)."""
+    types = set(map(type, values))
+    if int not in types:
+        return 0
+    if types <= _INTS:
+        return max(max(values).bit_length(), min(values).bit_length())
+    return max(x.bit_length() for x in values if type(x) is int)
 
 
 class _Machine:
@@ -261,13 +418,14 @@ class _Machine:
 
     ``persistent_load`` is set only inside ``torch.save`` payloads (it also enables the
     ``torch.*Storage`` globals); ``nested_storage`` enables ``torch.storage._load_from_bytes``
-    (top-level ``pickle.dumps`` payloads only, so nesting is one level deep at most).
+    (top-level ``pickle.dumps`` payloads only, so nesting is one level deep at most). Every
+    opcode spends one unit of the decode's budget.
     """
 
-    def __init__(self, context: str, where: Optional[str], *,
+    def __init__(self, context: str, ctx: _Ctx, *,
                  persistent_load: Optional[Callable[[Any, int], Any]] = None,
                  nested_storage: bool = False) -> None:
-        self.context, self.where = context, where
+        self.context, self.ctx, self.where = context, ctx, ctx.where
         self.persistent_load = persistent_load
         self.nested_storage = nested_storage
         self.stack: List[Any] = []
@@ -305,9 +463,13 @@ class _Machine:
 
     # -- main loop
     def run(self, f: io.BytesIO) -> Any:
+        budget = self.ctx.budget
         try:
             for opcode, arg, pos in pickletools.genops(f):
                 self.pos = pos if pos is not None else self.pos
+                budget.work += 1
+                if budget.work > budget.max_work:
+                    raise budget.exhausted(self.where)
                 name = opcode.name
                 if name == "STOP":
                     if self.metastack or len(self.stack) != 1:
@@ -324,7 +486,7 @@ class _Machine:
         except Exception as exc:  # genops: truncated data, bad lengths, bad UTF-8 ...
             raise UnsafeExtraStateError(
                 f"TE extra state ({self.context}): malformed pickle near byte {self.pos}: "
-                f"{type(exc).__name__}: {exc}", tensor=self.where) from None
+                f"{type(exc).__name__}: {_short(str(exc))}", tensor=self.where) from None
         raise self.refuse("a pickle without STOP")
 
     # -- opcode handlers
@@ -354,9 +516,12 @@ class _Machine:
         self.push(self.top())
 
     def op_value(self, arg):  # opcodes whose decoded argument *is* the value
-        if isinstance(arg, int) and not isinstance(arg, bool) and arg.bit_length() > MAX_INT_BITS:
+        if type(arg) is int and arg.bit_length() > MAX_INT_BITS:
             raise self.refuse(f"an integer wider than {MAX_INT_BITS} bits")
-        self.push(arg)
+        stack = self.stack
+        if len(stack) >= MAX_STACK:
+            raise self.refuse(f"a pickle stack deeper than {MAX_STACK} items")
+        stack.append(arg)
 
     def op_none(self, arg):
         self.push(None)
@@ -438,7 +603,7 @@ class _Machine:
         if len(self.memo) >= MAX_MEMO and arg not in self.memo:
             raise self.refuse(f"more than {MAX_MEMO} memo entries")
         if not isinstance(arg, int) or arg < 0:
-            raise self.refuse(f"memo index {arg!r}")
+            raise self.refuse(f"memo index {_short(arg)}")
         self.memo[arg] = self.top()
 
     def op_memoize(self, arg):
@@ -448,12 +613,12 @@ class _Machine:
         try:
             self.push(self.memo[arg])
         except (KeyError, TypeError):
-            raise self.refuse(f"a read of unset memo entry {arg!r}") from None
+            raise self.refuse(f"a read of unset memo entry {_short(arg)}") from None
 
     def op_global(self, arg):
         parts = arg.split(" ") if isinstance(arg, str) else []
         if len(parts) != 2:
-            raise self.refuse(f"GLOBAL {arg!r}")
+            raise self.refuse(f"GLOBAL {_short(arg)}")
         self.push(self.resolve(parts[0], parts[1]))
 
     def op_stack_global(self, arg):
@@ -477,9 +642,13 @@ class _Machine:
             raise self.refuse(f"BUILD of a {_describe(inst)}")
         if inst.fields is not None:
             raise self.refuse(f"a second BUILD of {_describe(inst)}")
-        if type(state) is not dict or not all(type(k) is str for k in state):
+        if type(state) is not dict:
             raise self.refuse(f"BUILD of {_describe(inst)} with a {_describe(state)} state "
                               "(only an instance dict with str keys is accepted)")
+        bad = [k for k in state if _bad_field_name(k)]
+        if bad:
+            raise self.refuse(f"BUILD of {_describe(inst)} with field name {_short(bad[0])} "
+                              "(recipe fields are identifiers, never dunder names)")
         inst.fields = state
 
     def op_binpersid(self, arg):
@@ -506,7 +675,7 @@ class _Machine:
                 return _Global(module, name, "namedtuple")
             if name in _RECIPE_ENUMS:
                 return _Global(module, name, "enum")
-        raise self.refuse(f"GLOBAL {qual!r}")
+        raise self.refuse(f"GLOBAL {_short(qual)}")
 
     def call(self, func: Any, args: Any) -> Any:
         if not isinstance(func, _Global):
@@ -525,7 +694,7 @@ class _Machine:
         if kind == "load_from_bytes":
             if len(args) != 1 or type(args[0]) is not bytes:
                 raise self.refuse("REDUCE of torch.storage._load_from_bytes without one bytes argument")
-            return _parse_legacy_torch_save(args[0], self.where, expect_storage=True,
+            return _parse_legacy_torch_save(args[0], self.ctx, expect_storage=True,
                                             context="nested torch.save of a storage")
         raise self.refuse(f"REDUCE of {func!r}")
 
@@ -554,7 +723,7 @@ class _Machine:
                 name = _RECIPE_ENUMS[cls].get(value)
                 if name is not None:
                     return _EnumMember(cls, name)
-                raise self.refuse(f"{RECIPE_MODULE}.{cls} value {value!r} (not a known member)")
+                raise self.refuse(f"{RECIPE_MODULE}.{cls} value {_short(value)} (not a known member)")
         raise self.refuse(f"REDUCE of {RECIPE_MODULE}.{cls} with arguments other than a member value")
 
     def rebuild_tensor(self, args: tuple) -> _TensorSpec:
@@ -571,20 +740,17 @@ class _Machine:
         for label, dims in (("size", size), ("stride", stride)):
             if type(dims) is not tuple or len(dims) > MAX_NDIM or not all(
                     type(d) is int and 0 <= d < (1 << 62) for d in dims):
-                raise self.refuse(f"tensor {label} {dims!r}")
+                raise self.refuse(f"tensor {label} {_short(dims)} (dims and strides are "
+                                  f"non-negative ints, at most {MAX_NDIM} of them)")
         if len(size) != len(stride):
             raise self.refuse(f"tensor size {size} and stride {stride} of different lengths")
         if type(offset) is not int or not 0 <= offset < (1 << 62):
-            raise self.refuse(f"tensor storage offset {offset!r}")
+            raise self.refuse(f"tensor storage offset {_short(offset)}")
         if type(requires_grad) is not bool:
-            raise self.refuse(f"tensor requires_grad {requires_grad!r}")
+            raise self.refuse(f"tensor requires_grad {_short(requires_grad)}")
         if requires_grad and not storage.dtype.is_floating_point:
             raise self.refuse(f"requires_grad on a {storage.dtype} tensor")
-        if all(size):
-            last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-            if last >= storage.numel:
-                raise self.refuse(f"a tensor view (offset {offset}, size {size}, stride {stride}) "
-                                  f"reaching past its storage of {storage.numel} elements")
+        _check_view(size, stride, offset, storage.numel, self.refuse)
         return _TensorSpec(storage, offset, size, stride, requires_grad)
 
 
@@ -625,8 +791,38 @@ def _check_key(key: Any, refuse: Callable[[str], Exception], depth: int = 0) -> 
     raise refuse(f"a dict key that is a {_describe(key)}")
 
 
-def _run_one(data_or_file, context: str, where: Optional[str], **kw) -> Any:
-    return _Machine(context, where, **kw).run(data_or_file)
+def _check_view(size: tuple, stride: tuple, offset: int, numel: int,
+                refuse: Callable[[str], Exception]) -> None:
+    """A strided view must own distinct elements that all lie inside its storage.
+
+    ``size`` / ``stride`` are tuples of ints in [0, 2**62) (checked by the caller). Refused: a
+    zero stride on a dimension of size > 1 (the 2**28-element view of one element that ``clone``
+    would materialize), overlapping dimensions, element counts or byte spans past the storage
+    (Python ints: nothing overflows here, and after these checks nothing can overflow in torch).
+    """
+    count = 1
+    for n in size:
+        count *= n
+    if count == 0:
+        extent = 1
+        for n in size:
+            extent *= max(n, 1)
+        if extent >= (1 << 62):  # torch computes contiguous strides as int64 products
+            raise refuse(f"an empty tensor of size {size} whose strides would overflow")
+        return
+    if count > numel:
+        raise refuse(f"a tensor view of {count} elements reaching past its storage of {numel} "
+                     "elements")
+    span = 1  # elements covered by the dimensions taken so far (by increasing stride)
+    for s, n in sorted((s, n) for n, s in zip(size, stride) if n > 1):
+        if s < span:
+            raise refuse(f"a tensor view with size {size} and stride {stride} whose elements "
+                         "overlap (zero or overlapping strides)")
+        span += s * (n - 1)
+    last = offset + span - 1
+    if last >= numel:
+        raise refuse(f"a tensor view (offset {offset}, size {size}, stride {stride}) reaching "
+                     f"past its storage of {numel} elements")
 
 
 def _error(msg: str, where: Optional[str]) -> UnsafeExtraStateError:
@@ -638,39 +834,39 @@ def _error(msg: str, where: Optional[str]) -> UnsafeExtraStateError:
 
 def _storage_pid(pid: Any, expect_len: int, refuse: Callable[[str], Exception]):
     if type(pid) is not tuple or len(pid) != expect_len or pid[0] != "storage":
-        raise refuse(f"persistent id {pid!r} (expected a {expect_len}-tuple "
+        raise refuse(f"persistent id {_short(pid)} (expected a {expect_len}-tuple "
                      "('storage', <torch storage class>, key, location, numel, ...))")
     _, stype, key, location, numel = pid[:5]
     if not (isinstance(stype, _Global) and stype.kind == "storage_type"):
         raise refuse(f"persistent id storage type {_describe(stype)}")
     if type(key) is not str or not 0 < len(key) <= 64:
-        raise refuse(f"storage key {key!r}")
+        raise refuse(f"storage key {_short(key)}")
     if type(location) is not str or not _LOCATION_RE.fullmatch(location):
-        raise refuse(f"storage location {location!r}")
+        raise refuse(f"storage location {_short(location)}")
     dtype = _STORAGE_DTYPES[stype.name]
     if type(numel) is not int or numel < 0 or numel * _elsize(dtype) > MAX_STORAGE_BYTES:
-        raise refuse(f"storage of {numel!r} {dtype} elements (limit {MAX_STORAGE_BYTES} bytes)")
+        raise refuse(f"storage of {_short(numel)} {dtype} elements (limit {MAX_STORAGE_BYTES} bytes)")
     return dtype, key, location, numel
 
 
-def _parse_legacy_torch_save(data: bytes, where: Optional[str], *, expect_storage: bool,
-                             context: str) -> Any:
+def _parse_legacy_torch_save(data: bytes, ctx: _Ctx, *, expect_storage: bool, context: str) -> Any:
     """Parse a legacy (non-zip) ``torch.save`` payload by hand; storages get their bytes filled in."""
+    where = ctx.where
     if len(data) > MAX_PAYLOAD_BYTES:
         raise _error(f"{context} of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
     f = io.BytesIO(data)
-    magic = _run_one(f, f"{context}, magic number", where)
+    magic = _Machine(f"{context}, magic number", ctx).run(f)
     if type(magic) is not int or magic != _LEGACY_MAGIC:
-        raise _error(f"{context}: not a legacy torch.save payload (magic {magic!r})", where)
-    version = _run_one(f, f"{context}, protocol version", where)
+        raise _error(f"{context}: not a legacy torch.save payload (magic {_short(magic)})", where)
+    version = _Machine(f"{context}, protocol version", ctx).run(f)
     if type(version) is not int or version != _LEGACY_PROTOCOL_VERSION:
-        raise _error(f"{context}: legacy torch.save protocol version {version!r}", where)
-    sys_info = _run_one(f, f"{context}, sys info", where)
+        raise _error(f"{context}: legacy torch.save protocol version {_short(version)}", where)
+    sys_info = _Machine(f"{context}, sys info", ctx).run(f)
     if type(sys_info) is not dict or sys_info.get("protocol_version") != _LEGACY_PROTOCOL_VERSION:
-        raise _error(f"{context}: bad sys info {sys_info!r}", where)
+        raise _error(f"{context}: bad sys info {_short(sys_info)}", where)
 
     storages: Dict[str, _Storage] = {}
-    machine = _Machine(f"{context}, object", where)
+    machine = _Machine(f"{context}, object", ctx)
 
     def persistent_load(pid: Any, pos: int) -> _Storage:
         dtype, key, location, numel = _storage_pid(pid, 6, machine.refuse)
@@ -685,11 +881,11 @@ def _parse_legacy_torch_save(data: bytes, where: Optional[str], *, expect_storag
 
     machine.persistent_load = persistent_load
     obj = machine.run(f)
-    keys = _run_one(f, f"{context}, storage keys", where)
+    keys = _Machine(f"{context}, storage keys", ctx).run(f)
     if type(keys) is not list or not all(type(k) is str for k in keys) \
             or len(set(keys)) != len(keys) or set(keys) != set(storages):
-        raise _error(f"{context}: storage key list {keys!r} does not match the "
-                     f"storages referenced ({sorted(storages)})", where)
+        raise _error(f"{context}: storage key list {_short(keys)} does not match the "
+                     f"storages referenced ({_short(sorted(storages))})", where)
     for key in keys:
         st = storages[key]
         header = f.read(8)
@@ -704,6 +900,7 @@ def _parse_legacy_torch_save(data: bytes, where: Optional[str], *, expect_storag
         if nbytes > remaining:
             raise _error(f"{context}: storage {key!r} claims {nbytes} bytes but only "
                          f"{remaining} remain", where)
+        ctx.budget.spend_bytes(nbytes, where, f"storage {key!r}")
         st.data = f.read(nbytes)
     if f.tell() != len(data):
         raise _error(f"{context}: {len(data) - f.tell()} unexpected trailing bytes", where)
@@ -712,17 +909,40 @@ def _parse_legacy_torch_save(data: bytes, where: Optional[str], *, expect_storag
     return obj
 
 
-def _parse_zip_torch_save(data: bytes, where: Optional[str]) -> Any:
-    """Parse a zip-format ``torch.save`` payload (``<root>/data.pkl`` + ``<root>/data/<key>``)."""
+_ZIP_CDIR = b"PK\x01\x02"
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError,
+               NotImplementedError, RuntimeError, KeyError, IndexError, OverflowError,
+               struct.error, UnicodeDecodeError)
+"""What :mod:`zipfile` raises for malformed archives (NotImplementedError: an unsupported
+"version needed to extract" or compression method; RuntimeError: encryption)."""
+
+
+def _parse_zip_torch_save(data: bytes, ctx: _Ctx) -> Any:
+    """Parse a zip-format ``torch.save`` payload (``<root>/data.pkl`` + ``<root>/data/<key>``).
+
+    Before :mod:`zipfile` sees the archive, the number of central-directory signatures bounds
+    the entries it can list (each ``ZipInfo`` costs hundreds of bytes). Entries must be stored
+    (``torch.save`` never compresses) and unencrypted.
+    """
     context = "torch.save zip payload"
+    where = ctx.where
+    n_entries = data.count(_ZIP_CDIR)
+    if n_entries > MAX_ZIP_ENTRIES:
+        raise _error(f"{context}: {n_entries} central directory entries (limit "
+                     f"{MAX_ZIP_ENTRIES})", where)
     try:
         zf = zipfile.ZipFile(io.BytesIO(data))
         infos = {i.filename: i for i in zf.infolist()}
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise _error(f"{context}: unreadable zip: {exc}", where) from None
+    except _ZIP_ERRORS as exc:
+        raise _error(f"{context}: unreadable zip: {type(exc).__name__}: {_short(str(exc))}",
+                     where) from None
+    for info in infos.values():
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x41:
+            raise _error(f"{context}: entry {_short(info.filename)} is compressed or encrypted "
+                         "(torch.save stores entries as they are)", where)
     pkls = [n for n in infos if n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1)]
     if len(pkls) != 1:
-        raise _error(f"{context}: expected one <root>/data.pkl, found {pkls}", where)
+        raise _error(f"{context}: expected one <root>/data.pkl, found {_short(pkls)}", where)
     prefix = pkls[0][: -len("data.pkl")]
     total = sum(i.file_size for i in infos.values())
     if total > MAX_PAYLOAD_BYTES + MAX_STORAGE_BYTES:
@@ -731,17 +951,19 @@ def _parse_zip_torch_save(data: bytes, where: Optional[str]) -> Any:
     def read(name: str, expect: Optional[int] = None) -> bytes:
         info = infos.get(name)
         if info is None:
-            raise _error(f"{context}: missing entry {name!r}", where)
+            raise _error(f"{context}: missing entry {_short(name)}", where)
         if info.file_size > (MAX_PAYLOAD_BYTES if expect is None else expect):
-            raise _error(f"{context}: entry {name!r} declares {info.file_size} bytes"
+            raise _error(f"{context}: entry {_short(name)} declares {info.file_size} bytes"
                          + ("" if expect is None else f", expected {expect}"), where)
+        ctx.budget.spend_bytes(info.file_size, where, f"zip entry {_short(name)}")
         try:
             blob = zf.read(info)
-        except Exception as exc:  # pylint: disable=broad-except  # CRC, truncation, bad deflate
-            raise _error(f"{context}: cannot read {name!r}: {exc}", where) from None
+        except Exception as exc:  # pylint: disable=broad-except  # CRC, truncation, bad headers
+            raise _error(f"{context}: cannot read {_short(name)}: {type(exc).__name__}: "
+                         f"{_short(str(exc))}", where) from None
         if expect is not None and len(blob) != expect:
-            raise _error(f"{context}: entry {name!r} holds {len(blob)} bytes, expected {expect}",
-                         where)
+            raise _error(f"{context}: entry {_short(name)} holds {len(blob)} bytes, expected "
+                         f"{expect}", where)
         return blob
 
     byteorder = prefix + "byteorder"
@@ -749,7 +971,7 @@ def _parse_zip_torch_save(data: bytes, where: Optional[str]) -> Any:
         raise _error(f"{context}: big-endian payloads are not supported", where)
 
     storages: Dict[str, _Storage] = {}
-    machine = _Machine(f"{context}, data.pkl", where)
+    machine = _Machine(f"{context}, data.pkl", ctx)
 
     def persistent_load(pid: Any, pos: int) -> _Storage:
         dtype, key, location, numel = _storage_pid(pid, 5, machine.refuse)
@@ -776,18 +998,29 @@ def _parse_zip_torch_save(data: bytes, where: Optional[str]) -> Any:
 
 
 class _Plainer:
-    """Markers → plain values; shared objects stay shared, cycles and blow-ups are refused."""
+    """Markers → plain values; shared objects stay shared, cycles and blow-ups are refused.
 
-    def __init__(self, where: Optional[str]) -> None:
-        self.where = where
+    The size of the result counts every value each time it is reachable (what a walk over it,
+    or msgpack, would visit); it must stay within :data:`MAX_NODES` and the budget's work."""
+
+    def __init__(self, ctx: _Ctx) -> None:
+        self.ctx, self.where = ctx, ctx.where
+        budget = ctx.budget
+        self.limit = min(MAX_NODES, max(0, budget.max_work - budget.work))
         self.done: Dict[int, Tuple[Any, int]] = {}
         self.active: set = set()
         self.keep: List[Any] = []  # keeps ids in `done` valid
 
+    def too_big(self, size: Any) -> UnsafeExtraStateError:
+        if self.limit < MAX_NODES:
+            return self.ctx.budget.exhausted(self.where)
+        return _error(f"decoded value has {size} nodes (limit {MAX_NODES})", self.where)
+
     def convert(self, obj: Any, depth: int = 0) -> Any:
         out, size = self._convert(obj, depth)
-        if size > MAX_NODES:
-            raise _error(f"decoded value has {size} nodes (limit {MAX_NODES})", self.where)
+        if size > self.limit:
+            raise self.too_big(size)
+        self.ctx.budget.spend(size, self.where)
         return out
 
     def _convert(self, obj: Any, depth: int) -> Tuple[Any, int]:
@@ -806,8 +1039,8 @@ class _Plainer:
             out, size = self._convert_new(obj, depth)
         finally:
             self.active.discard(key)
-        if size > MAX_NODES:
-            raise _error(f"decoded value has more than {MAX_NODES} nodes", self.where)
+        if size > self.limit:
+            raise self.too_big(f"more than {self.limit}")
         self.done[key] = (out, size)
         self.keep.append(obj)
         return out, size
@@ -818,8 +1051,8 @@ class _Plainer:
             o, s = self._convert(item, depth + 1)
             outs.append(o)
             total += s
-            if total > MAX_NODES:
-                raise _error(f"decoded value has more than {MAX_NODES} nodes", self.where)
+            if total > self.limit:
+                raise self.too_big(f"more than {self.limit}")
         return outs, total
 
     def _convert_new(self, obj: Any, depth: int) -> Tuple[Any, int]:
@@ -833,7 +1066,7 @@ class _Plainer:
             vals, size = self._items(obj.values(), depth)
             return dict(zip(obj.keys(), vals)), size + len(obj)
         if t is _TensorSpec:
-            return _materialize(obj, self.where), 1
+            return _materialize(obj, self.ctx), 1
         if t is _RecipeObj:
             fields, size = ({}, 1) if obj.fields is None else self._convert(obj.fields, depth + 1)
             return {"__class__": obj.cls, "fields": fields}, size + 1
@@ -845,25 +1078,181 @@ class _Plainer:
         raise _error(f"a {_describe(obj)} where a plain value was expected", self.where)
 
 
-def _materialize(spec: _TensorSpec, where: Optional[str]) -> torch.Tensor:
-    st = spec.storage
+def _materialize(spec: _TensorSpec, ctx: _Ctx) -> torch.Tensor:
+    """A tensor owning exactly the viewed elements; its bytes are charged to the budget first.
+
+    One base tensor per storage (its bytes copied once); a view that is the whole storage gets
+    the base itself the first time, every other view a copy of just its elements.
+    """
+    st, where = spec.storage, ctx.where
     nbytes = st.numel * _elsize(st.dtype)
     if st.data is None or len(st.data) != nbytes:
         raise _error(f"storage {st.key!r} has {0 if st.data is None else len(st.data)} bytes, "
                      f"expected {nbytes}", where)
-    if st.numel == 0:
-        base = torch.empty(0, dtype=st.dtype)
+    count = 1
+    for n in spec.size:
+        count *= n
+    if count == 0:
+        t = torch.empty(spec.size, dtype=st.dtype)
     else:
-        raw = bytearray(st.data)
-        if st.dtype == torch.bool and raw.translate(None, b"\x00\x01"):
-            raise _error(f"bool storage {st.key!r} holds bytes other than 0 and 1", where)
-        base = torch.frombuffer(raw, dtype=st.dtype)
-    t = torch.as_strided(base, spec.size, spec.stride, spec.offset)
-    if not (spec.offset == 0 and t.numel() == base.numel() and t.is_contiguous()):
-        t = t.clone()  # own exactly the viewed elements
+        base = ctx.bases.get(id(st))
+        if base is None:
+            ctx.budget.spend_bytes(nbytes, where, f"storage {st.key!r}")
+            raw = bytearray(st.data)
+            if st.dtype == torch.bool and raw.translate(None, b"\x00\x01"):
+                raise _error(f"bool storage {st.key!r} holds bytes other than 0 and 1", where)
+            base = ctx.bases[id(st)] = torch.frombuffer(raw, dtype=st.dtype)
+        t = torch.as_strided(base, spec.size, spec.stride, spec.offset)
+        whole = spec.offset == 0 and count == st.numel and t.is_contiguous()
+        if whole and id(st) not in ctx.handed_out:
+            ctx.handed_out.add(id(st))
+        else:
+            ctx.budget.spend_bytes(count * _elsize(st.dtype), where, "a tensor view")
+            t = t.clone()  # own exactly the viewed elements
     if spec.requires_grad:
         t.requires_grad_(True)
     return t
+
+
+# --------------------------------------------------------------------------- the decoded state's shape
+
+
+def _path(link: Any) -> str:
+    """A path kept as nested ``(parent, key)`` pairs (built per value without formatting)."""
+    keys = []
+    while type(link) is tuple:
+        link, key = link
+        keys.append(str(key))
+    keys.append(str(link))
+    return ".".join(reversed(keys))
+
+
+class _Checker:
+    """What a decoded extra state may hold (see :func:`check_extra_state`)."""
+
+    def __init__(self, where: Optional[str], tensor_type: Any, budget: Optional[ExtraStateBudget],
+                 error: Callable[[str], Exception]) -> None:
+        self.where, self.tensor_type, self.budget, self.error = where, tensor_type, budget, error
+        self.tensors: List[Any] = []
+
+    def fail(self, msg: str) -> Exception:
+        return self.error(f"TE extra state: {msg}")
+
+    def state(self, state: Any) -> None:
+        if type(state) is not dict:
+            raise self.fail(f"extra state is a {_describe(state)}, expected a dict or None")
+        for k in state:
+            if type(k) is not str:
+                raise self.fail(f"extra state key {_short(k)} is not a str")
+        recipe = state.get("recipe")
+        if recipe is not None and not (type(recipe) is dict and len(recipe) == 2
+                                       and type(recipe.get("__class__")) is str
+                                       and recipe["__class__"] in RECIPE_CLASSES
+                                       and "fields" in recipe):
+            raise self.fail(f"extra state 'recipe' is not a recipe object: {_short(recipe)}")
+        for k in DELAYED_SCALING_KEYS:
+            if k in state and not isinstance(state[k], self.tensor_type):
+                raise self.fail(f"extra state entry {k!r} is a {_describe(state[k])}, expected a "
+                                "tensor")
+        if "extra_fp8_variables" in state and type(state["extra_fp8_variables"]) is not dict:
+            raise self.fail("extra state 'extra_fp8_variables' is not a dict")
+        for k, v in state.items():
+            self.value(v, k, 1, False)
+
+    def value(self, v: Any, path: Any, depth: int, in_recipe: bool) -> None:
+        budget = self.budget
+        if budget is not None:
+            budget.work += 1
+            if budget.work > budget.max_work:
+                raise budget.exhausted(self.where)
+        t = type(v)
+        if t in _SCALAR_SET:
+            if t is int and v.bit_length() > MAX_INT_BITS:
+                raise self.fail(f"integer at {_path(path)!r} is wider than {MAX_INT_BITS} bits")
+            return
+        if depth > MAX_DEPTH:
+            raise self.fail(f"value at {_path(path)!r} nests deeper than {MAX_DEPTH} levels")
+        if isinstance(v, self.tensor_type):
+            if in_recipe:
+                raise self.fail(f"a tensor inside the recipe, at {_path(path)!r}")
+            self.tensors.append(v)
+            return
+        if t is list or t is tuple:
+            if _SCALAR_SET.issuperset(map(type, v)):  # the common (and the bomb's) case, at C speed
+                if budget is not None:
+                    budget.work += len(v)
+                    if budget.work > budget.max_work:
+                        raise budget.exhausted(self.where)
+                if _widest_int(v) > MAX_INT_BITS:
+                    raise self.fail(f"integer in {_path(path)!r} is wider than {MAX_INT_BITS} bits")
+                return
+            for i, x in enumerate(v):
+                self.value(x, (path, i), depth + 1, in_recipe)
+            return
+        if t is dict:
+            if len(v) == 2 and "__class__" in v and "fields" in v:
+                return self.recipe_object(v["__class__"], v["fields"], path, depth)
+            if len(v) == 2 and "__enum__" in v and "name" in v:
+                cls, name = v["__enum__"], v["name"]
+                if type(cls) is not str or cls not in _RECIPE_ENUMS or type(name) is not str \
+                        or name not in _RECIPE_ENUMS[cls].values():
+                    raise self.fail(f"unknown recipe enum member {_short(cls)}.{_short(name)} at "
+                                    f"{_path(path)!r}")
+                return None
+            for k, x in v.items():
+                if type(k) is not str and type(k) is not int:
+                    raise self.fail(f"dict key {_short(k)} at {_path(path)!r} (only str and int keys)")
+                self.value(x, (path, k), depth + 1, in_recipe)
+            return None
+        raise self.fail(f"a {_describe(v)} at {_path(path)!r} (extra state holds only plain values, "
+                        "recipe objects and tensors)")
+
+    def recipe_object(self, cls: Any, fields: Any, path: Any, depth: int) -> None:
+        if type(cls) is not str or (cls not in RECIPE_CLASSES and cls not in RECIPE_NAMEDTUPLES):
+            raise self.fail(f"unknown recipe class {_short(cls)} at {_path(path)!r}")
+        if type(fields) is not dict:
+            raise self.fail(f"recipe {cls} at {_path(path)!r}: 'fields' is a {_describe(fields)}, "
+                            "not a map")
+        if cls in RECIPE_NAMEDTUPLES:
+            names = RECIPE_NAMEDTUPLES[cls]
+            if tuple(fields) != names or not all(type(x) in _SCALARS for x in fields.values()):
+                raise self.fail(f"{cls} at {_path(path)!r} must have the scalar fields {names}")
+            for k, x in fields.items():
+                self.value(x, (path, k), depth + 1, True)
+            return
+        for k, x in fields.items():
+            if _bad_field_name(k):
+                raise self.fail(f"recipe {cls} at {_path(path)!r} has field name {_short(k)} "
+                                "(recipe fields are identifiers, never dunder names)")
+            self.value(x, (path, k), depth + 1, True)
+
+
+def check_extra_state(state: Any, *, where: Optional[str] = None, tensor_type: Any = torch.Tensor,
+                      budget: Optional[ExtraStateBudget] = None,
+                      error: Optional[Callable[[str], Exception]] = None) -> List[Any]:
+    """Refuse anything but the shape :func:`decode_te_extra_state` returns; the tensors found.
+
+    ``state`` is ``None`` or a dict with str keys: ``"recipe"`` ``None`` or a recipe object
+    (``{"__class__": <one of RECIPE_CLASSES>, "fields": {identifier: value}}``),
+    ``scale_fwd`` / ``amax_history_fwd`` / ``scale_bwd`` / ``amax_history_bwd`` tensors,
+    ``extra_fp8_variables`` a dict; values anywhere are ``None``/bool/int/float/str/bytes, lists,
+    tuples, dicts with str or int keys, recipe objects, recipe namedtuples (their exact fields),
+    ``{"__enum__": "Format", "name": <member>}``, and -- outside recipes -- tensors, i.e.
+    instances of ``tensor_type`` (``torch.Tensor``; ``TensorRef`` for a manifest's tree). At most
+    :data:`MAX_DEPTH` levels; each value spends one unit of ``budget`` if given. Raises
+    ``error(message)`` (default :class:`UnsafeExtraStateError` naming ``where``); returns the
+    tensors (``tensor_type`` leaves) in the order met.
+    """
+    if error is None:
+        def error(msg: str) -> Exception:
+            return UnsafeExtraStateError(msg, tensor=where)
+    checker = _Checker(where, tensor_type, budget, error)
+    if state is not None:
+        try:
+            checker.state(state)
+        except RecursionError:
+            raise error("TE extra state: nests too deeply") from None
+    return checker.tensors
 
 
 # --------------------------------------------------------------------------- public API
@@ -878,11 +1267,26 @@ def _payload(value: Any, where: Optional[str]) -> Tuple[bytes, str]:
             raise _error(f"extra state tensor has dtype {value.dtype}, expected torch.uint8", where)
         if value.numel() > MAX_PAYLOAD_BYTES:
             raise _error(f"extra state of {value.numel()} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+        if value.device.type == "meta":
+            raise _error("extra state tensor is on the meta device (it has no bytes to decode)",
+                         where)
+        if value.layout != torch.strided:
+            raise _error(f"extra state tensor has layout {value.layout}", where)
         flat = value.detach().to("cpu").contiguous().reshape(-1)
         return flat.numpy().tobytes(), "pickle"
     if isinstance(value, io.BytesIO):
-        return value.getvalue(), "torch.save"
+        data = value.getbuffer()
+        try:
+            if len(data) > MAX_PAYLOAD_BYTES:
+                raise _error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+            return bytes(data), "torch.save"
+        finally:
+            data.release()
     if isinstance(value, (bytes, bytearray, memoryview)):
+        if isinstance(value, memoryview) and (value.ndim != 1 or value.itemsize != 1):
+            value = value.cast("B") if value.c_contiguous else value.tobytes()
+        if len(value) > MAX_PAYLOAD_BYTES:
+            raise _error(f"extra state of {len(value)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
         data = bytes(value)
         if data.startswith(b"PK\x03\x04") or data.startswith(_LEGACY_PREFIX):
             return data, "torch.save"
@@ -891,25 +1295,27 @@ def _payload(value: Any, where: Optional[str]) -> Tuple[bytes, str]:
                  "io.BytesIO or bytes)", where)
 
 
-def _decode_raw(data: bytes, kind: str, where: Optional[str]) -> Any:
+def _decode_raw(data: bytes, kind: str, ctx: _Ctx) -> Any:
+    where = ctx.where
     if len(data) > MAX_PAYLOAD_BYTES:
         raise _error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
     if kind == "torch.save":
         if data.startswith(b"PK\x03\x04"):
-            return _parse_zip_torch_save(data, where)
+            return _parse_zip_torch_save(data, ctx)
         if data.startswith(_LEGACY_PREFIX):
-            return _parse_legacy_torch_save(data, where, expect_storage=False,
+            return _parse_legacy_torch_save(data, ctx, expect_storage=False,
                                             context="legacy torch.save payload")
         raise _error("io.BytesIO extra state is neither a zip nor a legacy torch.save payload",
                      where)
     f = io.BytesIO(data)
-    obj = _Machine("pickle", where, nested_storage=True).run(f)
+    obj = _Machine("pickle", ctx, nested_storage=True).run(f)
     if f.tell() != len(data):
         raise _error(f"{len(data) - f.tell()} trailing bytes after the pickle's STOP", where)
     return obj
 
 
-def decode_te_extra_state(value: Any, *, where: Optional[str] = None) -> Optional[dict]:
+def decode_te_extra_state(value: Any, *, where: Optional[str] = None,
+                          budget: Optional[ExtraStateBudget] = None) -> Optional[dict]:
     """Decode a TE module ``_extra_state`` value without executing any pickle code.
 
     ``value`` is what TE's ``get_extra_state`` returned: a uint8 tensor (``pickle.dumps``
@@ -917,44 +1323,60 @@ def decode_te_extra_state(value: Any, *, where: Optional[str] = None) -> Optiona
     ``None`` for empty / ``None`` state, else ``{"recipe": <plain recipe dict> | None, ...}``
     with the payload's other entries (``scale_fwd``, ``amax_history_fwd``, ``scale_bwd``,
     ``amax_history_bwd``, ``extra_fp8_variables``, TE 1.x's ``scale_inv_*``) in their stored
-    order, holding only plain Python values and CPU tensors. ``where`` (e.g. the state-dict
-    key) is named in errors. Raises :class:`UnsafeExtraStateError` for anything else.
+    order, holding only plain Python values and CPU tensors (each owning its memory). ``where``
+    (e.g. the state-dict key) is named in errors. Work and bytes are charged to ``budget``
+    (default: a budget of its own for a "checkpoint" the size of the payload; see the module's
+    Bounds). Raises :class:`UnsafeExtraStateError` for anything else, and nothing but it.
     """
     if value is None:
         return None
     data, kind = _payload(value, where)
     if not data:
         return None
-    obj = _decode_raw(data, kind, where)
-    if obj is None:
-        return None
-    if type(obj) is not dict:
-        raise _error(f"extra state is a {_describe(obj)}, expected a dict", where)
-    if not all(type(k) is str for k in obj):
-        raise _error("extra state dict has non-str keys", where)
-    plain = _Plainer(where).convert(obj)
-    recipe_key = next((k for k in plain if k == "recipe"), "recipe")
-    out = {recipe_key: plain.get("recipe")}
-    out.update((k, v) for k, v in plain.items() if k != "recipe")
-    for k in DELAYED_SCALING_KEYS:
-        if k in out and not isinstance(out[k], torch.Tensor):
-            raise _error(f"extra state entry {k!r} is a {type(out[k]).__name__}, expected a "
-                         "tensor", where)
-    recipe = out[recipe_key]
-    if recipe is not None and not (type(recipe) is dict and recipe.get("__class__") in RECIPE_CLASSES):
-        raise _error(f"extra state 'recipe' is not a recipe object: {recipe!r}", where)
-    if "extra_fp8_variables" in out and type(out["extra_fp8_variables"]) is not dict:
-        raise _error("extra state 'extra_fp8_variables' is not a dict", where)
-    return out
+    if budget is None:
+        budget = ExtraStateBudget(len(data))
+    ctx = _Ctx(where, budget)
+    saved_max = budget.max_work  # one payload also gets at most MAX_PAYLOAD_WORK of it
+    budget.max_work = min(saved_max, budget.work + MAX_PAYLOAD_WORK)
+    try:
+        obj = _decode_raw(data, kind, ctx)
+        del data
+        if obj is None:
+            return None
+        if type(obj) is not dict:
+            raise _error(f"extra state is a {_describe(obj)}, expected a dict", where)
+        if not all(type(k) is str for k in obj):
+            raise _error("extra state dict has non-str keys", where)
+        plain = _Plainer(ctx).convert(obj)
+        out = {"recipe": plain.get("recipe")}
+        out.update((k, v) for k, v in plain.items() if k != "recipe")
+        check_extra_state(out, where=where)
+        return out
+    except UnsafeExtraStateError:
+        raise
+    except RecursionError:
+        raise _error("a value nested too deeply", where) from None
+    except MemoryError:
+        raise _error("a value too large to decode", where) from None
+    except Exception as exc:  # pylint: disable=broad-except  # a bug here must not escape as-is
+        raise _error(f"undecodable payload: {type(exc).__name__}: {_short(str(exc))}",
+                     where) from exc
+    finally:
+        budget.max_work = saved_max
 
 
 def _classify_like_te(data: bytes) -> bool:
-    """True iff TE's ``_classify_extra_state_pickle`` answers IGNORE (opcode scan, no execution)."""
+    """True iff TE's ``_classify_extra_state_pickle`` answers IGNORE (opcode scan, no execution).
+
+    The scan stops (answering False, "not stateless") past a payload-sized budget of opcodes."""
     strings: List[str] = []
     has_recipe_key = has_delayed = has_global = False
     policies = set()
+    limit = min(MAX_PAYLOAD_WORK, ExtraStateBudget(len(data)).max_work)
     try:
-        for opcode, arg, _pos in pickletools.genops(data):
+        for count, (opcode, arg, _pos) in enumerate(pickletools.genops(data)):
+            if count > limit:
+                return False
             name = opcode.name
             if name in ("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
                         "BINUNICODE8", "SHORT_BINUNICODE"):
@@ -1025,7 +1447,7 @@ def _recipe_module():
     try:
         return importlib.import_module(RECIPE_MODULE)
     except Exception as exc:  # pylint: disable=broad-except  # TE missing or its __init__ fails
-        raise UnsupportedValueError(
+        raise TEUnavailableError(
             f"cannot encode a TE recipe: {RECIPE_MODULE} is not importable "
             f"({type(exc).__name__}: {exc}); install transformer-engine to write extra state "
             "that holds a recipe", field="recipe") from None
@@ -1059,12 +1481,18 @@ def recipe_to_plain(obj: Any, *, _depth: int = 0) -> Any:
 
 
 class _Realizer:
-    """Plain data (as decoded) → the real objects TE's ``get_extra_state`` would pickle."""
+    """Plain data (as decoded) → the real objects TE's ``get_extra_state`` would pickle.
 
-    def __init__(self) -> None:
+    Every value spends one unit of the budget's work, every tensor copy its bytes. Tensors on
+    the meta device are replaced by zeros of their shape (``meta`` is then set)."""
+
+    def __init__(self, budget: Optional[ExtraStateBudget] = None, where: Optional[str] = None) -> None:
+        self.budget, self.where = budget, where
         self.done: Dict[int, Any] = {}
         self.keep: List[Any] = []
         self.mod = None
+        self.meta = False
+        self.tensor_bytes = 0
 
     def module(self):
         if self.mod is None:
@@ -1072,12 +1500,19 @@ class _Realizer:
         return self.mod
 
     def real(self, v: Any, path: str, depth: int = 0) -> Any:
+        budget = self.budget
+        if budget is not None:
+            budget.work += 1
+            if budget.work > budget.max_work:
+                raise budget.exhausted(self.where)
         if type(v) in _SCALARS:
             if type(v) is int and v.bit_length() > MAX_INT_BITS:
-                raise UnsupportedValueError(f"integer at {path!r} is wider than {MAX_INT_BITS} bits")
+                raise UnsupportedValueError(f"integer at {path!r} is wider than {MAX_INT_BITS} bits",
+                                            tensor=self.where)
             return v
         if depth > MAX_DEPTH:
-            raise UnsupportedValueError(f"value at {path!r} nests deeper than {MAX_DEPTH} levels")
+            raise UnsupportedValueError(f"value at {path!r} nests deeper than {MAX_DEPTH} levels",
+                                        tensor=self.where)
         hit = self.done.get(id(v))
         if hit is not None:
             return hit
@@ -1091,96 +1526,147 @@ class _Realizer:
         if isinstance(v, torch.Tensor):
             if t not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided:
                 raise UnsupportedValueError(f"tensor at {path!r} is a {t.__name__} / {v.layout}; "
-                                            "only plain dense tensors are stored")
+                                            "only plain dense tensors are stored", tensor=self.where)
             if v.dtype not in _STORAGE_DTYPES.values():
-                raise UnsupportedValueError(f"tensor at {path!r} has dtype {v.dtype}")
+                raise UnsupportedValueError(f"tensor at {path!r} has dtype {v.dtype}",
+                                            tensor=self.where)
+            nbytes = v.numel() * v.element_size()
+            if nbytes > MAX_STORAGE_BYTES:
+                raise UnsupportedValueError(f"tensor at {path!r} has {nbytes} bytes (limit "
+                                            f"{MAX_STORAGE_BYTES})", tensor=self.where)
+            if self.budget is not None:
+                self.budget.spend_bytes(nbytes, self.where, f"tensor {path!r}")
+            self.tensor_bytes += nbytes
             src = v.detach()
+            if src.device.type == "meta":  # no bytes: zeros stand in (only the length is used)
+                self.meta = True
+                return torch.zeros(src.shape, dtype=src.dtype)
             dst = torch.empty_like(src, device="cpu")  # what TE's to_cpu does
             dst.copy_(src)
             return dst
+        if (t is list or t is tuple) and _SCALAR_SET.issuperset(map(type, v)):
+            if self.budget is not None:
+                self.budget.spend(len(v), self.where)
+            if _widest_int(v) > MAX_INT_BITS:
+                raise UnsupportedValueError(f"integer in {path!r} is wider than {MAX_INT_BITS} bits",
+                                            tensor=self.where)
+            return list(v) if t is list else v
         if t is list:
-            return [self.real(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+            return [self.real(x, f"{path}.{i}", depth + 1) for i, x in enumerate(v)]
         if t is tuple:
-            return tuple(self.real(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v))
+            return tuple(self.real(x, f"{path}.{i}", depth + 1) for i, x in enumerate(v))
         if t is dict:
-            if set(v) == {"__class__", "fields"}:
+            if len(v) == 2 and "__class__" in v and "fields" in v:
                 return self.recipe(v["__class__"], v["fields"], path, depth)
-            if set(v) == {"__enum__", "name"}:
+            if len(v) == 2 and "__enum__" in v and "name" in v:
                 return self.enum(v["__enum__"], v["name"], path)
             out = {}
             for k, x in v.items():
-                _check_key(k, lambda what: UnsupportedValueError(f"{what} at {path!r}"))
+                if type(k) is not str and type(k) is not int:
+                    raise UnsupportedValueError(f"dict key {_short(k)} at {path!r}: only str and "
+                                                "int keys are stored", tensor=self.where)
                 out[k] = self.real(x, f"{path}.{k}", depth + 1)
             return out
         if t.__module__ == RECIPE_MODULE:
             return self.real(recipe_to_plain(v), path, depth)
         raise UnsupportedValueError(f"value at {path!r} of type {t.__module__}.{t.__qualname__} "
-                                    "cannot be written as TE extra state")
+                                    "cannot be written as TE extra state", tensor=self.where)
 
     def enum(self, cls: Any, name: Any, path: str) -> Any:
-        if cls not in _RECIPE_ENUMS or name not in _RECIPE_ENUMS[cls].values():
-            raise UnsupportedValueError(f"unknown recipe enum {cls!r}.{name!r} at {path!r}")
+        if type(cls) is not str or cls not in _RECIPE_ENUMS or type(name) is not str \
+                or name not in _RECIPE_ENUMS[cls].values():
+            raise UnsupportedValueError(f"unknown recipe enum {_short(cls)}.{_short(name)} at "
+                                        f"{path!r}", tensor=self.where)
         try:
             return getattr(self.module(), cls)[name]
-        except (AttributeError, KeyError):
-            raise UnsupportedValueError(f"{RECIPE_MODULE}.{cls}.{name} (at {path!r}) does not "
-                                        "exist in the installed Transformer Engine") from None
+        except Exception:  # pylint: disable=broad-except  # AttributeError, KeyError, TE's own
+            raise TEUnavailableError(f"{RECIPE_MODULE}.{cls}.{name} (at {path!r}) does not "
+                                     "exist in the installed Transformer Engine",
+                                     tensor=self.where) from None
 
     def recipe(self, cls: Any, fields: Any, path: str, depth: int) -> Any:
-        if cls not in RECIPE_CLASSES and cls not in RECIPE_NAMEDTUPLES:
-            raise UnsupportedValueError(f"unknown recipe class {cls!r} at {path!r}")
-        if type(fields) is not dict or not all(type(k) is str for k in fields):
-            raise UnsupportedValueError(f"recipe {cls} at {path!r}: 'fields' must map str to values")
+        if type(cls) is not str or (cls not in RECIPE_CLASSES and cls not in RECIPE_NAMEDTUPLES):
+            raise UnsupportedValueError(f"unknown recipe class {_short(cls)} at {path!r}",
+                                        tensor=self.where)
+        if type(fields) is not dict or any(_bad_field_name(k) for k in fields):
+            raise UnsupportedValueError(f"recipe {cls} at {path!r}: 'fields' must map identifiers "
+                                        "(never dunder names) to values", tensor=self.where)
         real_cls = getattr(self.module(), cls, None)
         if not isinstance(real_cls, type):
-            raise UnsupportedValueError(f"{RECIPE_MODULE}.{cls} (at {path!r}) does not exist in "
-                                        "the installed Transformer Engine")
+            raise TEUnavailableError(f"{RECIPE_MODULE}.{cls} (at {path!r}) does not exist in "
+                                     "the installed Transformer Engine", tensor=self.where)
         vals = {k: self.real(x, f"{path}.{k}", depth + 1) for k, x in fields.items()}
         if cls in RECIPE_NAMEDTUPLES:
             if tuple(vals) != tuple(getattr(real_cls, "_fields", ())):
-                raise UnsupportedValueError(f"{cls} at {path!r} has fields {tuple(vals)}, the "
-                                            f"installed TE expects {getattr(real_cls, '_fields', ())}")
-            return real_cls(**vals)
-        obj = real_cls.__new__(real_cls)  # exactly what unpickling does: NEWOBJ, then BUILD
-        setstate = getattr(obj, "__setstate__", None)
-        if setstate is not None:
-            setstate(vals)
-        else:
-            inst_dict = obj.__dict__
-            for k, x in vals.items():
-                inst_dict[sys.intern(k)] = x
+                raise TEUnavailableError(f"{cls} at {path!r} has fields {tuple(vals)}, the "
+                                         f"installed TE expects {getattr(real_cls, '_fields', ())}",
+                                         tensor=self.where)
+            try:
+                return real_cls(**vals)
+            except Exception as exc:  # pylint: disable=broad-except  # TE's own code
+                raise TEUnavailableError(f"the installed TE's {cls} refuses the values at "
+                                         f"{path!r}: {type(exc).__name__}: {_short(str(exc))}",
+                                         tensor=self.where) from None
+        try:
+            obj = real_cls.__new__(real_cls)  # exactly what unpickling does: NEWOBJ, then BUILD
+            setstate = getattr(obj, "__setstate__", None)
+            if setstate is not None:
+                setstate(vals)
+            else:
+                inst_dict = obj.__dict__
+                for k, x in vals.items():
+                    inst_dict[sys.intern(k)] = x
+        except Exception as exc:  # pylint: disable=broad-except  # TE's own code
+            raise TEUnavailableError(f"the installed TE's {cls} cannot be rebuilt from the fields "
+                                     f"at {path!r}: {type(exc).__name__}: {_short(str(exc))}",
+                                     tensor=self.where) from None
         return obj
 
 
-def encode_te_extra_state(state: Optional[dict]) -> torch.Tensor:
+def encode_te_extra_state(state: Optional[dict], *, where: Optional[str] = None,
+                          budget: Optional[ExtraStateBudget] = None) -> torch.Tensor:
     """Inverse of :func:`decode_te_extra_state`: a uint8 tensor TE's ``set_extra_state`` accepts.
 
     ``state`` is ``None`` (→ the empty tensor TE writes for stateless modules) or a dict as
     returned by the decoder; its recipe may also be a real TE recipe object. A ``"recipe": None``
     entry is left out (the TE 1.x shape); every other entry keeps its order. Recipes are rebuilt
-    as real ``transformer_engine.common.recipe`` objects (TE must be importable), tensors are
-    copied to CPU as ``get_extra_state`` does, and the dict goes through ``pickle.dumps`` with
-    the default protocol. The result is checked by decoding it again.
+    as real ``transformer_engine.common.recipe`` objects (TE must be importable, else
+    :class:`TEUnavailableError`), tensors are copied to CPU as ``get_extra_state`` does, and the
+    dict goes through ``pickle.dumps`` with the default protocol. Tensors on the meta device give
+    a meta uint8 tensor of (about) the length the real bytes would have. Work, tensor bytes and
+    the payload's bytes are charged to ``budget`` when given; ``where`` is named in errors.
     """
     if state is None:
         return torch.empty(0, dtype=torch.uint8)
     if type(state) is not dict:
-        raise UnsupportedValueError(f"TE extra state must be a dict or None, got {type(state).__name__}")
-    realizer = _Realizer()
+        raise UnsupportedValueError(f"TE extra state must be a dict or None, got {type(state).__name__}",
+                                    tensor=where)
+    realizer = _Realizer(budget, where)
     real: Dict[str, Any] = {}
-    for k, v in state.items():
-        if type(k) is not str:
-            raise UnsupportedValueError(f"TE extra state key {k!r} is not a str")
-        if k == "recipe" and v is None:
-            continue
-        real[k] = realizer.real(v, k)
-    payload = pickle.dumps(real)
+    try:
+        for k, v in state.items():
+            if type(k) is not str:
+                raise UnsupportedValueError(f"TE extra state key {_short(k)} is not a str", tensor=where)
+            if k == "recipe" and v is None:
+                continue
+            real[k] = realizer.real(v, k)
+    except RecursionError:
+        raise UnsupportedValueError("TE extra state nests too deeply", tensor=where) from None
+    try:
+        payload = pickle.dumps(real)
+    except Exception as exc:  # pylint: disable=broad-except  # the installed TE's classes pickle themselves
+        raise TEUnavailableError(f"pickling TE extra state with the installed Transformer Engine "
+                                 f"failed: {type(exc).__name__}: {_short(str(exc))}",
+                                 tensor=where) from None
+    del real
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise UnsupportedValueError(f"encoded TE extra state is {len(payload)} bytes "
-                                    f"(limit {MAX_PAYLOAD_BYTES})")
-    out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    decode_te_extra_state(out, where="encode_te_extra_state self-check")
-    return out
+                                    f"(limit {MAX_PAYLOAD_BYTES})", tensor=where)
+    if budget is not None:
+        budget.spend_bytes(max(0, len(payload) - realizer.tensor_bytes), where, "the encoded payload")
+    if realizer.meta:
+        return torch.empty(len(payload), dtype=torch.uint8, device="meta")
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def recipe_from_plain(plain: Any) -> Any:

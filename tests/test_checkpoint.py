@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import te_serial as ts
 from te_serial.checkpoint.tree import unpack
-from conftest import E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input
+from helpers import E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input
 
 FORMATS = FORMAT_CASES
 PLAIN_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
@@ -192,7 +192,7 @@ def test_manifest_records_producer_files_and_layout(tmp_path):
     ts.save_quantized({"w": ts.NVFP4Quantizer()(torch.randn(32, 32)), "b": torch.zeros(2),
                        "w2": ts.NVFP4Quantizer()(torch.randn(32, 32))}, path)
     doc = unpack((path / "te_serial.msgpack").read_bytes())
-    assert doc["format"] == "te-serial" and doc["version"] == [1, 0]
+    assert doc["format"] == "te-serial" and tuple(doc["version"]) == ts.checkpoint.VERSION
     assert doc["producer"]["te_serial"] == ts.__version__ and doc["producer"]["torch"]
     [f] = doc["files"]
     assert (path / f["name"]).stat().st_size == f["size"]
@@ -248,19 +248,22 @@ def test_load_straight_to_cuda(tmp_path):
         assert_same_tensor(out[k].cpu(), sd[k], k)
 
 
-def test_streaming_writer_flushes_shards_and_commits_at_close(tmp_path):
+def test_streaming_writer_writes_planned_shards_and_commits_at_close(tmp_path):
     from te_serial.checkpoint import CheckpointWriter
     path = tmp_path / "s"
     ts.save_quantized({"old": torch.ones(3)}, path)
     tensors = {f"w{i}": ts.MXFP8Quantizer(columnwise=False)(torch.randn(64, 64)) for i in range(5)}
-    with CheckpointWriter(path, max_shard_size=8000, dedupe_across_shards=False) as w:
-        for name, t in tensors.items():
-            w.add(name, t)
+    protos = {n: ts.to_tensor_proto(t) for n, t in tensors.items()}
+    with CheckpointWriter(path, protos, max_shard_size=8000) as w:
+        for name in reversed(list(tensors)):  # any order: every buffer has its place already
+            w.write(name, tensors[name])
         # shards already on disk under temporary names, yet the old checkpoint is what loads
         assert len(list(path.glob(".te_serial-tmp-*"))) >= 2
         assert list(ts.load_quantized(path)) == ["old"]
-        with pytest.raises(ts.UnsupportedValueError, match="added twice"):
-            w.add("w0", tensors["w0"])
+        with pytest.raises(ts.UnsupportedValueError, match="written twice"):
+            w.write("w0", tensors["w0"])
+        with pytest.raises(ts.UnsupportedValueError, match="not in the writer's plan"):
+            w.write("other", tensors["w0"])
     out = ts.load_quantized(path, verify=True)
     assert list(out) == list(tensors)
     for k in tensors:
@@ -268,15 +271,29 @@ def test_streaming_writer_flushes_shards_and_commits_at_close(tmp_path):
     assert not list(path.glob(".te_serial-tmp-*")) and len(list(path.glob("*.safetensors"))) == len(w.manifest.files)
 
 
+def test_writer_refuses_a_tensor_unlike_its_prototype_and_an_unwritten_plan(tmp_path):
+    from te_serial.checkpoint import CheckpointWriter
+    protos = {"a": ts.to_tensor_proto(torch.zeros(4)), "b": ts.to_tensor_proto(torch.zeros(2))}
+    with pytest.raises(ts.UnsupportedValueError, match="planned prototype"):
+        with CheckpointWriter(tmp_path / "x", protos) as w:
+            w.write("a", torch.zeros(5))
+    with pytest.raises(ts.CheckpointError, match="never written"):
+        with CheckpointWriter(tmp_path / "y", protos) as w:
+            w.write("a", torch.zeros(4))
+    assert not (tmp_path / "y" / "te_serial.msgpack").exists()
+    assert not [p for p in (tmp_path / "y").iterdir()]
+
+
 def test_streaming_writer_aborts_on_error_and_keeps_the_old_checkpoint(tmp_path):
     from te_serial.checkpoint import CheckpointWriter
     path = tmp_path / "s"
     ts.save_quantized({"old": torch.arange(4)}, path)
     before = sorted(p.name for p in path.iterdir())
+    protos = {n: ts.to_tensor_proto(torch.randn(100)) for n in ("a", "b")}
     with pytest.raises(RuntimeError, match="boom"):
-        with CheckpointWriter(path, max_shard_size=100) as w:
-            w.add("a", torch.randn(100))
-            w.add("b", torch.randn(100))
+        with CheckpointWriter(path, protos, max_shard_size=100) as w:
+            w.write("a", torch.randn(100))
+            w.write("b", torch.randn(100))
             raise RuntimeError("boom")
     assert sorted(p.name for p in path.iterdir()) == before
     assert torch.equal(ts.load_quantized(path)["old"], torch.arange(4))

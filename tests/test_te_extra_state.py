@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import te_shim
-from conftest import same_bits
+from helpers import same_bits
 from te_serial.errors import CheckpointError, UnsupportedValueError
 from te_serial.te_extra_state import (DELAYED_SCALING_KEYS, RECIPE_MODULE, UnsafeExtraStateError,
                                       decode_te_extra_state, encode_te_extra_state,

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import heapq
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import jsonschema_rs
 import msgpack
@@ -29,11 +31,14 @@ import xxhash
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ManifestError, TeSerialError, VersionError
 from ..formats.base import Quantizer, resolve_storage
+from ..formats.slicing import region_views
 from ..proto import TensorProto
 from . import tree as tree_mod
 
 FORMAT = "te-serial"
-VERSION = (1, 1)
+VERSION = (1, 2)
+#: the format version that added chunked tensors (``tensors.chunks``, schema/README.md §13)
+CHUNKS_VERSION = (1, 2)
 MANIFEST_NAME = "te_serial.msgpack"
 HEADER_KEY = "te_serial.manifest"
 SCHEMA_FILE = "manifest-v1.schema.json"
@@ -71,6 +76,73 @@ def format_checksum(value: int | None) -> str:
 def buffer_key(tensor_name: str, buffer: str) -> str:
     """The safetensors key of a buffer: the tensor's name, or ``<name>.<TE buffer name>``."""
     return tensor_name if buffer == PLAIN_BUFFER else f"{tensor_name}.{buffer}"
+
+
+def chunk_key(tensor_name: str, buffer: str, index: int) -> str:
+    """The safetensors key of piece ``index`` of a chunked tensor's buffer: ``<buffer key>@<index>``."""
+    return f"{buffer_key(tensor_name, buffer)}@{index}"
+
+
+_PIECE_KEY = re.compile(r"(.*)@(0|[1-9][0-9]*)", re.DOTALL)
+
+
+class Piece(NamedTuple):
+    """One stored piece of a chunked tensor's buffer: a box of the buffer's region view (format 1.2)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: int
+    checksum: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def region_shapes(proto: TensorProto) -> tuple[tuple[int, ...], ...]:
+    """Each buffer's region view (flatten order), in which a chunked tensor's pieces are boxes:
+    a plain tensor's own shape; for a quantized tensor, the format's rule
+    (:func:`te_serial.formats.slicing.region_views`)."""
+    if proto.quantizer is None:
+        return (tuple(proto.shape),)
+    return tuple(region_views(proto.quantizer, proto.shape).values())
+
+
+def check_tiling(view: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                 budget: list[int]) -> str | None:
+    """Why ``boxes`` do not tile ``view`` exactly (None when they do). Every box must lie inside the
+    view with sizes ≥ 1, their volumes must add up to the view's, and no two may overlap — a sweep
+    along the dim with the most distinct offsets, spending pair comparisons from ``budget[0]``."""
+    nd = len(view)
+    total = 0
+    for offsets, sizes in boxes:
+        if len(offsets) != nd or len(sizes) != nd:
+            return f"a piece has {len(offsets)}/{len(sizes)} offsets/sizes for a {nd}-dim region"
+        for o, z, v in zip(offsets, sizes, view):
+            if z < 1 or o + z > v:
+                return f"piece at {list(offsets)} of size {list(sizes)} leaves the region {list(view)}"
+        total += math.prod(sizes)
+    if total != math.prod(view):
+        return f"pieces hold {total} elements, the region {list(view)} has {math.prod(view)}"
+    if len(boxes) < 2 or nd == 0:
+        return None
+    dim = max(range(nd), key=lambda d: len({b[0][d] for b in boxes}))
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim])
+    active: list[tuple[int, int]] = []
+    for i in order:
+        offsets, sizes = boxes[i]
+        while active and active[0][0] <= offsets[dim]:
+            heapq.heappop(active)
+        budget[0] -= len(active)
+        if budget[0] < 0:
+            return "too many overlapping candidates to check within the manifest's work bound"
+        for _, j in active:
+            o2, s2 = boxes[j]
+            if all(a < c + w and c < a + z for a, z, c, w in zip(offsets, sizes, o2, s2)):
+                return f"pieces at {list(offsets)} and {list(o2)} overlap"
+        heapq.heappush(active, (offsets[dim] + sizes[dim], i))
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,6 +232,8 @@ class Manifest:
     producer: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = VERSION
     skipped: dict[str, str] = field(default_factory=dict)  # non-strict reads: name → reason
+    #: format 1.2: tensor row → per buffer (flatten order) its pieces; such a row's files are []
+    chunks: dict[int, list[list[Piece]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._index = {n: i for i, n in enumerate(self.names) if n not in self.skipped}
@@ -182,10 +256,33 @@ class Manifest:
             lay = self._layouts[p] = [(n, s, d) for n, (s, d) in expected_buffers(self.protos[p]).items()]
         return lay
 
+    def is_chunked(self, name: str) -> bool:
+        """True if the tensor is stored as chunks (format 1.2): read it through :meth:`pieces`."""
+        return bool(self.chunks) and self._index[name] in self.chunks
+
+    def pieces(self, name: str) -> list[tuple[str, tuple[int, ...], torch.dtype,
+                                               list[tuple[str, str, tuple[int, ...], tuple[int, ...], int | None]]]]:
+        """Per buffer of a chunked tensor (flatten order): (buffer, region view, stored dtype,
+        [(file, key, offsets, sizes, checksum) of each piece])."""
+        i = self._index[name]
+        p = self.proto_index[i]
+        views = region_shapes(self.protos[p])
+        out = []
+        for (b, _, dtype), view, pcs in zip(self._layout(p), views, self.chunks[i]):
+            out.append((b, view, dtype, [(self._file_names[pc.file], chunk_key(name, b, j), pc.offsets, pc.sizes,
+                                          pc.checksum) for j, pc in enumerate(pcs)]))
+        return out
+
     def locations(self, name: str) -> list[tuple[str, str, str, tuple[int, ...], torch.dtype, int | None]]:
         """(buffer, file, key, shape, stored dtype, checksum) of each buffer of a tensor — the
-        columns read directly, without building entries (the loader's hot path)."""
+        columns read directly, without building entries (the loader's hot path). A chunked
+        tensor's buffers (see :meth:`pieces`) are given with their first piece's file, the
+        buffer's key and no checksum."""
         i = self._index[name]
+        if self.chunks and i in self.chunks:
+            return [(b, self._file_names[pcs[0].file] if pcs else self._file_names[0], buffer_key(name, b),
+                     shape, dtype, None)
+                    for (b, shape, dtype), pcs in zip(self._layout(self.proto_index[i]), self.chunks[i])]
         src = self.aliases.get(i, i)
         src_name, files, sums = self.names[src], self.file_index[src], self.checksums
         return [(b, self._file_names[files[j]], buffer_key(src_name, b), shape, dtype,
@@ -197,6 +294,12 @@ class Manifest:
         out: dict[str, list] = {}
         for name, i in self._index.items():
             if i in self.aliases:
+                continue
+            if self.chunks and i in self.chunks:
+                for (b, _, dtype), pcs in zip(self._layout(self.proto_index[i]), self.chunks[i]):
+                    for j, pc in enumerate(pcs):
+                        out.setdefault(self._file_names[pc.file], []).append(
+                            (name, b, chunk_key(name, b, j), pc.sizes, dtype))
                 continue
             files = self.file_index[i]
             for j, (b, shape, dtype) in enumerate(self._layout(self.proto_index[i])):
@@ -212,13 +315,27 @@ class Manifest:
         """Bytes of all buffers (tied tensors counted once)."""
         per_proto = [sum(math.prod(s) * d.itemsize for s, d in expected_buffers(p).values()) if p is not None else 0
                      for p in self.protos]
-        return sum(per_proto[self.proto_index[i]] for i in self._index.values() if i not in self.aliases)
+        total = 0
+        for i in self._index.values():
+            if i in self.aliases:
+                continue
+            if self.chunks and i in self.chunks:  # stored bytes: pieces hold no padding
+                total += sum(pc.numel * d.itemsize for (_, _, d), pcs in zip(self._layout(self.proto_index[i]),
+                                                                            self.chunks[i]) for pc in pcs)
+            else:
+                total += per_proto[self.proto_index[i]]
+        return total
 
     # --- building and encoding ------------------------------------------------------------------
     @staticmethod
     def from_entries(entries: Mapping[str, TensorEntry], files: Mapping[str, int], *, tree: Any = None,
-                     aliases: Mapping[str, str] | None = None, metadata=None, producer=None) -> "Manifest":
-        """Columns from per-tensor entries (``aliases``: tied name → the name it shares buffers with)."""
+                     aliases: Mapping[str, str] | None = None, metadata=None, producer=None,
+                     chunks: Mapping[str, list[list[tuple]]] | None = None) -> "Manifest":
+        """Columns from per-tensor entries (``aliases``: tied name → the name it shares buffers with).
+
+        ``chunks`` (format 1.2): name → per buffer (flatten order) the pieces
+        ``(offsets, sizes, file name, checksum)`` of a tensor stored in chunks; its entry has no buffers.
+        """
         names = list(entries)
         index = {n: i for i, n in enumerate(names)}
         protos: list[TensorProto] = []
@@ -232,10 +349,15 @@ class Manifest:
                 protos.append(e.proto)
             file_index.append([file_ids[b.file] for b in e.buffers.values()])
             sums.append([b.checksum for b in e.buffers.values()])
-        has_sums = all(c is not None for row in sums for c in row)
+        chunk_rows = {index[n]: [[Piece(tuple(o), tuple(z), file_ids[f], c) for o, z, f, c in pcs] for pcs in per_buffer]
+                      for n, per_buffer in (chunks or {}).items()}
+        has_sums = all(c is not None for row in sums for c in row) and all(
+            pc.checksum is not None for rows in chunk_rows.values() for pcs in rows for pc in pcs)
+        if not has_sums:
+            chunk_rows = {i: [[pc._replace(checksum=None) for pc in pcs] for pcs in rows] for i, rows in chunk_rows.items()}
         alias_idx = {index[a]: index[b] for a, b in (aliases or {}).items()}
         return Manifest(names, protos, proto_index, dict(files), file_index, sums if has_sums else None,
-                        alias_idx, tree, dict(metadata or {}), dict(producer or {}))
+                        alias_idx, tree, dict(metadata or {}), dict(producer or {}), chunks=chunk_rows)
 
     def to_bytes(self) -> bytes:
         quantizers: list[Quantizer] = []
@@ -256,6 +378,14 @@ class Manifest:
                    "checksums": self.checksums}
         if self.aliases:
             tensors["aliases"] = [[i, j] for i, j in self.aliases.items()]
+        if self.chunks:
+            col: list = [None] * len(self.names)
+            for i, rows in self.chunks.items():
+                col[i] = {"offsets": [[list(pc.offsets) for pc in pcs] for pcs in rows],
+                          "sizes": [[list(pc.sizes) for pc in pcs] for pcs in rows],
+                          "files": [[pc.file for pc in pcs] for pcs in rows],
+                          "checksums": None if self.checksums is None else [[pc.checksum for pc in pcs] for pcs in rows]}
+            tensors["chunks"] = col
         doc = {"format": FORMAT, "version": list(self.version), "producer": self.producer,
                "metadata": self.metadata, "files": [{"name": n, "size": s} for n, s in self.files.items()],
                "quantizers": [q.to_dict() for q in quantizers], "protos": protos, "tensors": tensors}
@@ -286,13 +416,14 @@ class _Decoder:
         raise ManifestError(message, file=self.source, tensor=tensor, field=field)
 
     def decode(self, data: bytes) -> Manifest:
+        self.size = len(data)
         if len(data) > MAX_MANIFEST_BYTES:
             self.fail(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
         seal_ok = sealed(data)
         if seal_ok is False:
             self.fail("manifest does not match its checksum (damaged or edited)", field=MANIFEST_CHECKSUM)
         try:
-            doc = tree_mod.unpack(data)
+            doc = tree_mod.unpack_manifest(data, source=self.source)
         except ManifestError as e:
             self.fail(str(e))
         if not isinstance(doc, dict):
@@ -336,6 +467,13 @@ class _Decoder:
             self.fail("tensor names are not unique", field="tensors/names")
         nbuf = [len(expected_buffers(p)) if p is not None else -1 for p in protos]
         n_files = max(len(files), 1)
+        chunk_col = cols.get("chunks")
+        if chunk_col is not None:
+            if tuple(doc["version"]) < CHUNKS_VERSION:
+                self.fail(f"tensors.chunks needs format {CHUNKS_VERSION[0]}.{CHUNKS_VERSION[1]}, the manifest says "
+                          f"{doc['version'][0]}.{doc['version'][1]}", field="tensors/chunks")
+            if len(chunk_col) != n:
+                self.fail("tensor columns have different lengths", field="tensors/chunks")
         skipped = {}
         for i in range(n):
             p = proto_index[i]
@@ -347,6 +485,11 @@ class _Decoder:
                 skipped[names[i]] = bad_protos[p]
                 continue
             row = file_index[i]
+            if chunk_col is not None and chunk_col[i] is not None:
+                if row or (checksums is not None and checksums[i]):
+                    self.fail("a chunked tensor's files and checksums rows must be empty", tensor=names[i],
+                              field="tensors/files")
+                continue
             if len(row) != nbuf[p] or (checksums is not None and len(checksums[i]) != nbuf[p]):
                 self.fail(f"{len(row)} buffer files for a prototype with {nbuf[p]} buffers",
                           tensor=names[i], field="tensors/files")
@@ -359,10 +502,14 @@ class _Decoder:
             aliases[a] = b
         if any(b in aliases for b in aliases.values()):
             self.fail("an alias points to another alias", field="tensors/aliases")
+        chunks = self.chunks(chunk_col, names, protos, proto_index, aliases, skipped, checksums is not None,
+                             n_files) if chunk_col is not None else {}
         self.check_keys_unique(names, protos, proto_index, aliases, skipped)
+        if chunks:
+            self.check_piece_keys(names, protos, proto_index, aliases, skipped, chunks)
         if tree is not None:
             try:
-                refs = tree_mod.tree_refs(tree)
+                refs = tree_mod.check_tree(tree, source=self.source)
             except ManifestError as e:
                 self.fail(str(e), field="tree")
             known = set(names)
@@ -370,7 +517,66 @@ class _Decoder:
             if unknown:
                 self.fail(f"tree refers to tensors not in the table: {unknown[:5]}", field="tree")
         return Manifest(names, protos, proto_index, files, file_index, checksums, aliases, tree,
-                        dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped)
+                        dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped, chunks)
+
+    def chunks(self, col: list, names, protos, proto_index, aliases, skipped, has_sums: bool,
+               n_files: int) -> dict[int, list[list[Piece]]]:
+        """Format 1.2's ``tensors.chunks``: per chunked tensor and buffer, pieces that tile the
+        buffer's region view exactly, in files that exist, with checksums iff the checkpoint has
+        them. Overlap checks spend a budget proportional to the manifest's size."""
+        budget = [8 * self.size + 100_000]
+        tied = set(aliases) | set(aliases.values())
+        out: dict[int, list[list[Piece]]] = {}
+        for i, entry in enumerate(col):
+            if entry is None or names[i] in skipped:
+                continue
+            name = names[i]
+            where = "tensors/chunks"
+            if i in tied:
+                self.fail("a chunked tensor cannot be tied to another", tensor=name, field=where)
+            proto = protos[proto_index[i]]
+            layout = list(expected_buffers(proto).items())
+            views = region_shapes(proto)
+            offs, sizes, files, sums = entry["offsets"], entry["sizes"], entry["files"], entry.get("checksums")
+            if (sums is not None) != has_sums:
+                self.fail("chunk checksums must be given exactly when the checkpoint has checksums",
+                          tensor=name, field=where)
+            if not (len(offs) == len(sizes) == len(files) == len(layout)) or (sums is not None and len(sums) != len(layout)):
+                self.fail(f"chunks must list {len(layout)} buffers", tensor=name, field=where)
+            rows = []
+            for b, ((bname, _), view) in enumerate(zip(layout, views)):
+                o_b, s_b, f_b = offs[b], sizes[b], files[b]
+                c_b = sums[b] if sums is not None else None
+                if not (len(o_b) == len(s_b) == len(f_b)) or (c_b is not None and len(c_b) != len(o_b)):
+                    self.fail(f"buffer {bname}: chunk columns have different lengths", tensor=name, field=where)
+                if f_b and max(f_b) >= n_files:
+                    self.fail(f"buffer {bname}: piece file index out of range", tensor=name, field=where)
+                boxes = [(tuple(o), tuple(z)) for o, z in zip(o_b, s_b)]
+                why = check_tiling(view, boxes, budget)
+                if why is not None:
+                    self.fail(f"buffer {bname}: pieces do not tile its region {list(view)}: {why}",
+                              tensor=name, field=where)
+                rows.append([Piece(o, z, f, c_b[j] if c_b is not None else None)
+                             for j, ((o, z), f) in enumerate(zip(boxes, f_b))])
+            out[i] = rows
+        return out
+
+    def check_piece_keys(self, names, protos, proto_index, aliases, skipped, chunks) -> None:
+        """No whole-stored buffer's key equals a piece key ``<buffer key>@<j>`` of a chunked tensor."""
+        pieces: dict[str, int] | None = None
+        for i, name in enumerate(names):
+            if "@" not in name or i in chunks or i in aliases or name in skipped:
+                continue
+            if pieces is None:
+                pieces = {}
+                for c, rows in chunks.items():
+                    for (b, _), pcs in zip(expected_buffers(protos[proto_index[c]]).items(), rows):
+                        pieces[buffer_key(names[c], b)] = len(pcs)
+            for b in expected_buffers(protos[proto_index[i]]):
+                m = _PIECE_KEY.fullmatch(buffer_key(name, b))
+                if m and int(m.group(2)) < pieces.get(m.group(1), 0):
+                    self.fail(f"tensor {name!r} would read the same safetensors key as a piece of a chunked tensor",
+                              tensor=name, field="tensors/names")
 
     def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
         """No two stored buffers share a safetensors key. Buffer names hold no dot, so the only way
@@ -414,6 +620,14 @@ class _Decoder:
                         self.fail("holds a number that is not an integer", field=f"tensors/{column}",
                                   tensor=cols["names"][i] if i < len(cols["names"]) else None)
         check(list(chain(cols.get("aliases", []))), "tensors/aliases")
+        for i, entry in enumerate(cols.get("chunks") or []):
+            if entry is None:
+                continue
+            nums = list(chain(chain(entry["offsets"]))) + list(chain(chain(entry["sizes"]))) \
+                + list(chain(entry["files"])) + list(chain(entry.get("checksums") or []))
+            if not ints(nums):
+                self.fail("holds a number that is not an integer", field="tensors/chunks",
+                          tensor=cols["names"][i] if i < len(cols["names"]) else None)
 
     def protos(self, raw: list, quantizers: list, bad_quantizers: dict) -> tuple[list, dict]:
         protos: list[TensorProto | None] = []

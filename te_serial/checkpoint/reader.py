@@ -12,20 +12,53 @@ from __future__ import annotations
 import base64
 import binascii
 import gc
+import math
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from ..dtypes import safetensors_code
 from ..errors import ChecksumError, CheckpointError, CheckpointFileError, ManifestError, TensorMismatchError
-from ..formats.base import QuantizedTensorStorage
+from ..errors import ShapeError
+from ..formats.base import QuantizedTensorStorage, flatten_2d
+from ..formats.slicing import _bounds, box_to_range, buffer_regions, region_views, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import SafetensorsFile, checksum, open_regular
-from .manifest import HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest, format_checksum
-from .tree import rebuild_tree
+from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
+                       expected_buffers, format_checksum, region_shapes)
+
+
+class StoredPiece(NamedTuple):
+    """Where one stored piece of a buffer lies: the region ``offsets`` / ``sizes`` of the buffer's
+    region view that it holds, read as an array of shape ``array`` (the piece's own shape, or a
+    whole buffer's storage view, whose origin box is the region)."""
+
+    file: str
+    key: str
+    array: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    checksum: int | None
+
+
+class BufferPieces(NamedTuple):
+    """One buffer of a tensor as stored: its name, region view, stored dtype and shape, and pieces."""
+
+    name: str
+    view: tuple[int, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[StoredPiece]
+
+
+def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for dim, (o, z) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(dim, o, z)
+    return t
+from .tree import ExtraStateBudget, extra_state_refs, rebuild_tree
 from .transfer import DeviceCopier
 
 
@@ -202,7 +235,10 @@ class Checkpoint:
         if device.type == "meta":
             out = proto.create_tensor(device="meta")
         else:
-            raw = {b: self._read_buffer(name, b, f, k, c, verify, mmap) for b, f, k, _, _, c in where}
+            if self.manifest.chunks and self.manifest.is_chunked(name):
+                raw = self._assemble(name, verify)
+            else:
+                raw = {b: self._read_buffer(name, b, f, k, c, verify, mmap) for b, f, k, _, _, c in where}
             if proto.quantizer is not None:
                 meta, dtypes = self._assembly(proto)
                 raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
@@ -222,11 +258,116 @@ class Checkpoint:
         return out
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,
-            mmap: bool = True) -> torch.Tensor:
-        """One tensor, reading only its own buffers."""
+            mmap: bool = True, rows=None, cols=None) -> torch.Tensor:
+        """One tensor, reading only its own buffers.
+
+        ``rows=(r0, r1)`` / ``cols=(c0, c1)`` (TE's 2-D view: rows are the leading dims
+        flattened) read just that block-aligned range, for tensor-parallel layers: only the
+        bytes of the range are read (plus whole-tensor scalars such as an amax), and the result
+        equals ``te_serial.slice_quantized`` of the whole tensor (a plain tensor: the same range,
+        shaped as ``slice_quantized`` shapes it). With ``verify``, every stored piece the range
+        touches is read whole to check its checksum.
+        """
         if name not in self.manifest.tensors:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
+        if rows is not None or cols is not None:
+            out = self._get_slice(name, rows, cols, verify)
+            device = torch.device(device)
+            return out if device.type == "cpu" else out.to(device)
         return self.load_tensors([name], device=device, verify=verify, mmap=mmap)[name]
+
+    # --- pieces: whole buffers and chunks alike ------------------------------------------------
+    def pieces(self, name: str) -> list[BufferPieces]:
+        """Each buffer of a tensor (flatten order) as stored: its region view and the pieces that
+        tile it — one whole buffer, or (format 1.2) the chunks of a sharded save."""
+        m = self.manifest
+        proto = self._protos[name]
+        if m.chunks and m.is_chunked(name):
+            shapes = expected_buffers(proto)
+            return [BufferPieces(b, view, dtype, shapes[b][0],
+                                 [StoredPiece(f, k, z, o, z, c) for f, k, o, z, c in pcs])
+                    for b, view, dtype, pcs in m.pieces(name)]
+        out = []
+        for (b, f, k, shape, dtype, c), view in zip(m.locations(name), region_shapes(proto)):
+            out.append(BufferPieces(b, view, dtype, shape,
+                                    [StoredPiece(f, k, storage_view(shape, view), (0,) * len(view), view, c)]))
+        return out
+
+    def _piece_data(self, tname: str, bname: str, pc: StoredPiece, verify: bool) -> torch.Tensor:
+        """A whole stored piece (a view of the file's mmap), checked against its checksum if asked."""
+        t = self._read_buffer(tname, bname, pc.file, pc.key, pc.checksum, verify)
+        return t.reshape(pc.array)
+
+    def _assemble(self, name: str, verify: bool) -> dict[str, torch.Tensor]:
+        """A chunked tensor's buffers (stored dtypes), built from its pieces; padding zero."""
+        out = {}
+        for buf in self.pieces(name):
+            nbytes = buf.dtype.itemsize
+            full = storage_view(buf.shape, buf.view)
+            t = torch.zeros((*full[:-1], full[-1] * nbytes) if full else (nbytes,), dtype=torch.uint8)
+            t = t.view(buf.dtype).reshape(full)
+            region = t[tuple(slice(0, v) for v in buf.view)]
+            for pc in buf.pieces:
+                piece = self._piece_data(name, buf.name, pc, verify)
+                _narrow(region, pc.offsets, pc.sizes).copy_(_narrow(piece, (0,) * len(pc.sizes), pc.sizes))
+            out[buf.name] = t.reshape(buf.shape)
+        return out
+
+    def read_region(self, name: str, buf: BufferPieces, offsets, sizes, verify: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box ``offsets`` / ``sizes`` of one buffer's region view (stored dtype), reading only
+        the bytes of the pieces' parts inside it (``verify``: whole touched pieces, checked)."""
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        if out is None:
+            out = torch.empty(sizes, dtype=buf.dtype)
+        for pc in buf.pieces:
+            lo = [max(a, b) for a, b in zip(offsets, pc.offsets)]
+            hi = [min(a + z, b + w) for a, z, b, w in zip(offsets, sizes, pc.offsets, pc.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)) and sizes:
+                continue
+            within = tuple(l - b for l, b in zip(lo, pc.offsets))
+            extent = tuple(h - l for l, h in zip(lo, hi))
+            dst = _narrow(out, [l - o for l, o in zip(lo, offsets)], extent)
+            if verify:
+                dst.copy_(_narrow(self._piece_data(name, buf.name, pc, True), within, extent))
+            elif dst.is_contiguous():
+                self._file(pc.file).read_box(pc.key, pc.array, within, extent, out=dst)
+            else:
+                dst.copy_(self._file(pc.file).read_box(pc.key, pc.array, within, extent))
+        return out
+
+    def _get_slice(self, name: str, rows, cols, verify: bool) -> torch.Tensor:
+        proto = self._protos[name]
+        shape = tuple(proto.shape)
+        if not shape:
+            raise ShapeError(f"tensor {name!r} is 0-d; rows / cols need at least one dim")
+        m, k = flatten_2d(shape)
+        q = proto.quantizer
+        bufs = self.pieces(name)
+        if q is not None:
+            boxes = buffer_regions(q, shape, rows, cols)  # alignment refused here (ShapeError)
+            (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
+        else:
+            (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
+            [buf] = bufs
+            flat = []
+            for pc in buf.pieces:  # plain pieces as ranges of rows × cols of [M, K]
+                rc = box_to_range(shape, pc.offsets, pc.sizes)
+                if rc is None:  # a chunk no range of rows × cols describes: read the tensor whole
+                    return _slice_plain(self.get(name, verify=verify), shape, rows, cols, r0, r1, c0, c1)
+                (a0, a1), (b0, b1) = rc  # the piece's bytes, in C order, are that block
+                flat.append(pc._replace(array=(a1 - a0, b1 - b0), offsets=(a0, b0), sizes=(a1 - a0, b1 - b0)))
+            bufs = [buf._replace(view=(m, k), pieces=flat)]
+            boxes = {PLAIN_BUFFER: ((r0, c0), (r1 - r0, c1 - c0))}
+        new_shape = (*shape[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0)
+        regions = {buf.name: self.read_region(name, buf, *boxes[buf.name], verify=verify) for buf in bufs}
+        if q is None:
+            out = regions[PLAIN_BUFFER].reshape(new_shape)
+            return out.requires_grad_(True) if proto.requires_grad else out
+        dtypes = {n: spec.dtype for n, spec in q.describe_buffers(new_shape).items()}
+        pieces = {n: t.view(dtypes[n]) for n, t in regions.items()}
+        return q.tensor_class(new_shape, proto.dtype, q, requires_grad=proto.requires_grad,
+                              **slice_from_regions(q, new_shape, pieces))
 
     def load_tensors(self, names=None, device: str | torch.device = "cpu", *,
                      verify: bool = False, as_te: bool = False, mmap: bool = True) -> dict[str, torch.Tensor]:
@@ -255,20 +396,48 @@ class Checkpoint:
         return out
 
     def load(self, device: str | torch.device = "cpu", *, verify: bool = False, as_te: bool = False) -> Any:
-        """The saved object with its structure: nested dicts, lists, tuples and plain values."""
-        tensors = self.load_tensors(device=device, verify=verify, as_te=as_te)
-        if self.manifest.tree is None:
-            return tensors
-        return rebuild_tree(self.manifest.tree, tensors)
+        """The saved object with its structure: nested dicts, lists, tuples and plain values.
+
+        In a non-strict load, a skipped tensor is left out of its dict and is None in a list or
+        tuple; :attr:`missing` names them."""
+        tree = self.manifest.tree
+        if tree is None:
+            return self.load_tensors(device=device, verify=verify, as_te=as_te)
+        on_cpu = extra_state_refs(tree)  # TE's _extra_state is CPU bytes, whatever the device
+        tensors = self.load_tensors([n for n in self.manifest.tensors if n not in on_cpu], device=device,
+                                    verify=verify, as_te=as_te)
+        if on_cpu:
+            tensors.update(self.load_tensors([n for n in self.manifest.tensors if n in on_cpu], device="cpu",
+                                             verify=verify))
+        # one budget for all extra state, from the checkpoint's size (schema/README.md, bounds)
+        nbytes = sum(self.manifest.files.values()) + (
+            (self.path / MANIFEST_NAME).stat().st_size if self.path.is_dir() else self.path.stat().st_size)
+        self.missing: list[str] = []
+        return rebuild_tree(tree, tensors, budget=ExtraStateBudget(nbytes), missing=self.missing,
+                            file=str(self.path))
 
     def verify(self) -> int:
         """Check every buffer against its checksum; returns the number of buffers checked."""
         checked = 0
         for name in self.manifest.tensors:
+            if self.manifest.chunks and self.manifest.is_chunked(name):
+                for b, _, _, pcs in self.manifest.pieces(name):
+                    for f, k, _, _, c in pcs:
+                        self._read_buffer(name, b, f, k, c, verify=True)
+                        checked += 1
+                continue
             for b, f, k, _, _, c in self.manifest.locations(name):
                 self._read_buffer(name, b, f, k, c, verify=True)
                 checked += 1
         return checked
+
+
+def _slice_plain(t: torch.Tensor, shape, rows, cols, r0, r1, c0, c1) -> torch.Tensor:
+    m, k = flatten_2d(tuple(shape))
+    part = t.detach().reshape(m, k)[r0:r1, c0:c1]
+    new_shape = (*tuple(shape)[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0)
+    out = part.contiguous().reshape(new_shape)
+    return out.requires_grad_(True) if t.requires_grad else out
 
 
 def open_checkpoint(path: str | os.PathLike, *, strict: bool = True) -> Checkpoint:
