@@ -47,15 +47,6 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
     return a.float()
 
 
-def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp32 → FP8 bits (uint8): round-to-nearest-even with saturation (CUDA ``satfinite``).
-
-    torch's own cast overflows to NaN, so values are clamped to ±max first. NaN becomes the
-    canonical 0x7F for both formats (cuda_fp8.hpp canonicalizes NaN before converting).
-    """
-    return scale_and_cast_to_fp8(x, None, fp8_dtype)
-
-
 def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
                           fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bits of ``fp32(x) * scale`` (``scale`` broadcastable, fp32): the kernels' quantize step.

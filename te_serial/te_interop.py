@@ -91,11 +91,6 @@ def from_te(t: Any) -> QuantizedTensorStorage:
     return out
 
 
-def to_te_quantizer(q: Quantizer) -> Any:
-    """TE's quantizer with the same fields as a te-serial quantizer."""
-    return _q_adapter(q).te_quantizer(q, _TE())
-
-
 def to_te(t: QuantizedTensorStorage) -> Any:
     """TE's own tensor class for a te-serial tensor (same buffers, TE's quantizer, compact scales)."""
     if is_te_tensor(t):

@@ -365,11 +365,6 @@ def check_tree(tree: Any, *, source: Optional[str] = None) -> list[str]:
     return checker.refs
 
 
-def tree_refs(tree: Any) -> list[str]:
-    """Flat names of the tensors a tree refers to, after :func:`check_tree`'s checks."""
-    return check_tree(tree)
-
-
 def extra_state_refs(tree: Any) -> set[str]:
     """Names of the tensors referenced inside TE extra-state nodes of a (checked) tree.
 

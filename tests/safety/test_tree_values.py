@@ -8,7 +8,7 @@ timestamps outside the tree, repeated map keys, malformed extra state), each as 
 
 ``test_e2e_extension_types_outside_the_tree_are_refused`` passes only once the manifest decoder
 reads manifests with :func:`~te_serial.checkpoint.tree.unpack_manifest`; every other test passes
-with the reader calling ``check_tree`` (or its old name ``tree_refs``) and ``rebuild_tree``.
+with the reader calling ``check_tree`` and ``rebuild_tree``.
 """
 
 from __future__ import annotations
