@@ -20,6 +20,7 @@ examples:
   te-serial convert hf-model/ out/ --recipe mxfp8         BF16 safetensors -> te-serial MXFP8
   te-serial convert deepseek-v3/ out/ --recipe fp8_block  DeepSeek FP8 -> TE blockwise (lossless)
   te-serial convert ckpt/ served/ --recipe compressed_tensors_fp8   -> vLLM-loadable FP8
+  te-serial convert ckpt/ served/ --recipe modelopt_nvfp4           -> ModelOpt NVFP4 (TE's bytes kept)
   te-serial convert ckpt/ hf/ --recipe bf16 --report report.json    -> plain BF16 for any HF loader
   te-serial convert ckpt/ out/ --recipe nvfp4_2d --rules rules.txt  per-tensor targets by glob
   te-serial verify ckpt/                          schema, sizes and checksums
@@ -33,6 +34,31 @@ rules file: one 'PATTERN TARGET' per line (or a JSON object), first match wins, 
 
 exit status: 0 success; 1 error (one line on stderr naming the file and tensor); 2 bad usage;
 diff: 0 identical, 1 different, 2 error.
+"""
+
+
+CONVERT_EPILOG = """\
+serving layouts (a model directory: shards + model.safetensors.index.json + config.json, the
+source's config.json / generation_config.json / tokenizer files copied, te_serial_export.json):
+  modelopt_nvfp4            ModelOpt NVFP4 / W4A16_NVFP4: weight U8 [N,K/2], weight_scale E4M3 [N,K/16],
+                            weight_scale_2 = amax/(6*448), input_scale; + hf_quant_config.json
+  modelopt_mxfp8            ModelOpt MXFP8: weight E4M3 [N,K], weight_scale U8 (E8M0) [N,K/32]
+  modelopt_fp8              ModelOpt FP8: weight E4M3, weight_scale, input_scale (needs activation amax)
+  modelopt_fp8_pb_wo        ModelOpt FP8_PB_WO: weight E4M3, weight_scale per 128x128 block
+  compressed_tensors_nvfp4  nvfp4-pack-quantized: weight_packed, weight_scale, weight_global_scale = 6*448/amax
+  compressed_tensors_mxfp8  mxfp8-quantized: weight E4M3, weight_scale U8 [N,K/32]
+  compressed_tensors_fp8    float-quantized FP8, one scale per channel (_tensor: per tensor)
+  deepseek_fp8              DeepSeek-V3 block FP8: weight + weight_scale_inv per 128x128
+NVFP4 exports keep TE's codes and block scales byte for byte; the layout's reader applies the
+global scale with its own formula, so values can land a few fp32 ulp away: the report labels
+them "exact codes" with the measured bound. Every other exact path is "lossless".
+
+examples:
+  te-serial convert model/ out/ --recipe mxfp8
+  te-serial convert out/ hf/ --recipe bf16 --report r.json
+  te-serial convert te-ckpt/ served/ --recipe modelopt_nvfp4 --activation-amax amax.json
+  te-serial convert te-ckpt/ served/ --recipe compressed_tensors_fp8 --activations dynamic
+  te-serial convert served/ back/                      ModelOpt / compressed-tensors -> te-serial
 """
 
 
@@ -59,9 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     c = sub.add_parser("convert", help="convert a checkpoint to another recipe or layout",
-                       epilog="examples:\n  te-serial convert model/ out/ --recipe mxfp8\n"
-                              "  te-serial convert out/ hf/ --recipe bf16 --report r.json",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("src", help="source checkpoint (layout auto-detected)")
     c.add_argument("dst", help="destination directory (or a .safetensors file for te-serial / plain targets)")
     c.add_argument("--recipe", metavar="R", help=f"target of the default rule: {_targets_help()}")
@@ -72,6 +96,12 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", default="5GB", help="largest shard (5GB; '500MB', '2GiB' or bytes)")
     c.add_argument("--report", metavar="FILE", help="also write the report as JSON")
     c.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    c.add_argument("--activations", default="auto", choices=("auto", "weight_only", "none", "dynamic", "static"),
+                   help="serving layouts' activation scheme: auto (static scales when every quantized layer has an "
+                        "activation amax, else weight-only W8A16/W4A16 where the layout has it, else dynamic), "
+                        "weight_only (= none), dynamic, static (W8A8 / W4A4 from recorded amax)")
+    c.add_argument("--activation-amax", metavar="FILE",
+                   help="JSON {module: amax of its input} from a calibration pass (te_serial.conversion.ActivationAmax)")
     prog = c.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="show a progress bar on stderr (default: when stderr is a terminal)")
@@ -214,7 +244,8 @@ def cmd_convert(args, out: TextIO, err: TextIO) -> int:
     try:
         rep = convert(args.src, args.dst, recipe=args.recipe, rules=args.rules, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, report=args.report, progress=bar,
-                      usages=args.usages, overwrite=args.overwrite)
+                      usages=args.usages, overwrite=args.overwrite, activations=args.activations,
+                      activation_amax=args.activation_amax)
     finally:
         if bar is not None:
             bar.close()

@@ -92,6 +92,28 @@ def ct_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     modelopt: bool) -> torch.Tensor:
+    """An NVFP4 weight as its layout's reader forms it, in fp32: ModelOpt
+    ``e2m1 · (float(weight_scale) · weight_scale_2)``, compressed-tensors
+    ``e2m1 · (float(weight_scale) / weight_global_scale)`` (element 2i in the low nibble)."""
+    n, kh = packed.shape
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, kh * 2).long()
+    g = global_scale.float().reshape(())
+    s = scale.float() * g if modelopt else scale.float() / g
+    return (E2M1[codes].reshape(n, -1, 16) * s[..., None]).reshape(n, kh * 2)
+
+
+def mxfp8_dequantize(q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """MXFP8: fp8 · 2^(e - 127) per 32 elements along a row (E8M0 exponents as U8)."""
+    n, k = q.shape
+    s = torch.exp2(exponents.float() - 127)
+    return (q.float().reshape(n, k // 32, 32) * s[..., None]).reshape(n, k)
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 def _write_hf(root: Path, tensors: dict[str, torch.Tensor], config: dict | None, shards: int = 2) -> None:

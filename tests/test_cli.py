@@ -65,6 +65,9 @@ def cli(tmp_path_factory):
                     "--max-shard-size", "100KB"],
         "convert_rules": ["convert", d / "hf", d / "out_rules", "--rules", d / "rules.txt", "--quiet"],
         "convert_ds": ["convert", d / "ds", d / "out_ds", "--recipe", "fp8_block", "--json"],
+        "convert_serving": ["convert", d / "te", d / "out_mo", "--recipe", "modelopt_mxfp8", "--activations",
+                            "dynamic"],
+        "serving_no_amax": ["convert", d / "te", d / "out_mo8", "--recipe", "modelopt_fp8"],
         "verify": ["verify", d / "te"],
         "verify_bad": ["verify", d / "te_bad"],
         "diff_same": ["diff", d / "te", d / "te_copy"],
@@ -97,6 +100,17 @@ def test_help_has_examples(cli):
         assert word in out
     assert r["convert_help"].returncode == 0 and "--recipe" in r["convert_help"].stdout
     assert "example" in r["convert_help"].stdout
+    for name in ("modelopt_nvfp4", "modelopt_mxfp8", "modelopt_fp8_pb_wo", "compressed_tensors_nvfp4",
+                 "compressed_tensors_mxfp8", "--activations", "--activation-amax", "exact codes"):
+        assert name in r["convert_help"].stdout, name
+
+
+def test_convert_to_a_serving_layout(cli):
+    d, r = cli
+    assert r["convert_serving"].returncode == 0, r["convert_serving"].stderr
+    assert "activations: MXFP8" in r["convert_serving"].stdout and "lossless" in r["convert_serving"].stdout
+    assert json.loads((d / "out_mo" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "MXFP8"
+    _one_line_error(r["serving_no_amax"], 1, "static activation scales", "--activation-amax")
 
 
 def test_inspect(cli):

@@ -170,7 +170,14 @@ def test_ct_export_config_and_tensors(tmp_path):
         assert g["targets"] == ["Linear"]
         assert {k: g["weights"][k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == \
             {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
-        assert g["input_activations"]["dynamic"] is True
+        # no activation amax in a BF16 source: weight-only (W8A16), and the report says so
+        assert g["input_activations"] is None
+        assert any("W8A16" in n and "weight-only" in n for n in rep.notes), rep.notes
+        dyn = tc.convert(tmp_path / "hf", tmp_path / f"{recipe}-dyn", recipe=recipe, activations="dynamic")
+        act = json.loads((tmp_path / f"{recipe}-dyn" / "config.json").read_text())["quantization_config"][
+            "config_groups"]["group_0"]["input_activations"]
+        assert act["dynamic"] is True and act["strategy"] == "token"
+        assert any("FP8_DYNAMIC" in n and "as asked" in n for n in dyn.notes)
         assert "lm_head" in qc["ignore"]
         out = load_file(str(dst / "model.safetensors"))
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
@@ -199,8 +206,8 @@ def test_ct_round_trips_through_te_byte_identical(ct_channel, ct_tensor_static, 
         for p in back.glob("*.safetensors"):
             new.update(load_file(str(p)))
         for k, v in orig.items():
-            if k.endswith("input_scale"):
-                assert k not in new  # dropped, and the report says so
+            if k.endswith("input_scale"):  # kept as the layer's activation amax, written again (static W8A8)
+                assert new[k].dtype == torch.float32 and torch.equal(new[k].reshape(v.shape), v.float()), k
                 continue
             if k.endswith("weight_scale"):  # BF16 scales come back as the same values in F32
                 assert new[k].dtype == torch.float32 and torch.equal(new[k].reshape(v.shape), v.float())

@@ -1,4 +1,5 @@
-"""``tools/bench.py convert``: a BF16 Hugging Face checkpoint → te-serial MXFP8, streaming.
+"""``tools/bench.py convert``: a BF16 Hugging Face checkpoint → te-serial MXFP8, streaming; and an
+export line: te-serial NVFP4 → ModelOpt NVFP4 next to a plain safetensors copy of the same bytes.
 
 For a 1 GiB and a 3 GiB source with the same largest tensor, it prints GB/s of source and the
 peak RSS of a child process doing only the conversion (``resource.getrusage``), then the two
@@ -126,17 +127,132 @@ def _child(src: Path, dst: Path, recipe: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+_EXPORT_CHILD = r"""
+import json, os, resource, sys, time
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+sys.path.insert(0, sys.argv[4])
+import torch
+mode, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
+t0 = time.perf_counter()
+if mode == "export":
+    import importlib
+    tc = importlib.import_module("te_serial.conversion")
+    rep = tc.convert(src, dst, recipe="modelopt_nvfp4", max_shard_size="1GB")
+    nbytes, labels = rep.dst_bytes, rep.counts()
+else:  # a plain safetensors copy of the same bytes: every tensor read, written with save_file, fsync'd
+    from pathlib import Path
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    os.makedirs(dst, exist_ok=True)
+    nbytes, labels = 0, {}
+    for p in sorted(Path(src).glob("*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        out = os.path.join(dst, p.name)
+        save_file(tensors, out, metadata={"format": "pt"})
+        fd = os.open(out, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+sec = time.perf_counter() - t0
+hwm = None
+try:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+except OSError:
+    pass
+print(json.dumps({"seconds": sec, "bytes": nbytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "vm_hwm": hwm, "labels": labels}))
+"""
+
+
+def make_nvfp4_source(path: Path, total_bytes: int, shape: tuple[int, int], seed: int = 0) -> dict:
+    """A te-serial checkpoint of rowwise NVFP4 weights (TE's inference layout) of ~``total_bytes``,
+    built from random codes, block scales and amaxes (quantizing this much on 2 cores would take an
+    hour; the export moves bytes, so their values do not matter)."""
+    import te_serial as ts
+    g = torch.Generator().manual_seed(seed)
+    q = ts.NVFP4Quantizer(rowwise=True, columnwise=False)
+    per = q.nbytes(shape)
+    n = max(1, total_bytes // per)
+    protos = {f"model.layers.{i}.mlp.up_proj.weight": ts.TensorProto(shape, torch.bfloat16, q) for i in range(n)}
+    from te_serial.checkpoint import CheckpointWriter
+    with CheckpointWriter(path, protos, max_shard_size="1GB") as w:
+        for name in protos:
+            b = q.alloc_tensors(shape)
+            b["_rowwise_data"].copy_(torch.randint(0, 256, b["_rowwise_data"].shape, dtype=torch.uint8, generator=g))
+            scales = torch.randint(0x28, 0x60, (shape[0], shape[1] // 16), dtype=torch.uint8, generator=g)
+            b["_rowwise_scale_inv"].copy_(q.scale_buffer(scales, shape, "rowwise"))
+            b["_amax_rowwise"].fill_(float(torch.rand((), generator=g)) * 4 + 0.5)
+            w.write(name, q.tensor_class(shape, torch.bfloat16, q, **b))
+    return {"bytes": n * per, "tensors": n}
+
+
+def _export_child(mode: str, src: Path, dst: Path) -> dict:
+    res = subprocess.run([sys.executable, "-c", _EXPORT_CHILD, mode, str(src), str(dst), str(ROOT)],
+                         capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{mode} child failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_export(args) -> None:
+    """The export line: NVFP4 te-serial -> ModelOpt (an exact relayout) against a plain safetensors
+    copy of the same bytes, each in a child process (GB/s of bytes written, peak RSS)."""
+    shape = _parse_shape(args.export_shape)
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-export-", dir=args.dir))
+    try:
+        src = work / "te-nvfp4"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "_make_nvfp4", str(src),
+                        str(int(args.export_gib * 2 ** 30)), args.export_shape], check=True, capture_output=True)
+        rows = []
+        for rep in range(args.repeat):
+            for mode in ("copy", "export"):  # interleaved, A/B
+                dst = work / f"{mode}-{rep}"
+                r = _export_child(mode, src if mode == "export" else src, dst)
+                rows.append((mode, r))
+                shutil.rmtree(dst, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    best = {m: max((r for mm, r in rows if mm == m), key=lambda r: r["bytes"] / r["seconds"]) for m in ("copy", "export")}
+    med = {}
+    for m in ("copy", "export"):
+        rates = sorted(r["bytes"] / r["seconds"] for mm, r in rows if mm == m)
+        med[m] = rates[len(rates) // 2]
+    e, c = best["export"], best["copy"]
+    print(f"export: te-serial NVFP4 (rowwise, {shape[0]}x{shape[1]} tensors, {e['bytes'] / 2 ** 30:.2f} GiB written) "
+          f"-> ModelOpt NVFP4, vs a plain safetensors copy of the same bytes (read + save_file + fsync); "
+          f"median of {args.repeat}, A/B interleaved")
+    print(f"{'':>22}{'GB/s':>8}{'peak RSS MB':>13}")
+    print(f"{'safetensors copy':>22}{med['copy'] / 1e9:>8.3f}{c['peak_rss'] / 1e6:>13.0f}")
+    print(f"{'export modelopt_nvfp4':>22}{med['export'] / 1e9:>8.3f}{e['peak_rss'] / 1e6:>13.0f}   labels {e['labels']}")
+    print(f"export / copy = {med['export'] / med['copy']:.2f} (an exact relayout should be >= 0.5)")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("convert", help="BF16 checkpoint -> MXFP8: GB/s and peak RSS at two sizes")
     p.add_argument("--gib", default="1,3", help="source sizes in GiB, comma-separated (default 1,3)")
     p.add_argument("--largest", default="8192x4096", help="largest tensor, MxK BF16 (default 8192x4096)")
     p.add_argument("--recipe", default="mxfp8")
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    p.add_argument("--export-gib", type=float, default=1.0, help="size of the NVFP4 export line's source (GiB)")
+    p.add_argument("--export-shape", default="8192x4096", help="its tensors' shape (default 8192x4096)")
+    p.add_argument("--repeat", type=int, default=3, help="export line: runs of each side (median)")
+    p.add_argument("--only-export", action="store_true", help="print only the export line")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
+    if getattr(args, "only_export", False):
+        run_export(args)
+        return 0
     sizes = [float(s) for s in str(args.gib).split(",") if s.strip()]
     largest = _parse_shape(args.largest)
     work = Path(tempfile.mkdtemp(prefix="te-serial-bench-convert-", dir=args.dir))
@@ -169,11 +285,15 @@ def run(args) -> int:
     if len(results) >= 2:
         growth = results[-1]["peak_rss"] / results[0]["peak_rss"]
         print(f"peak RSS {results[-1]['gib']:g} GiB / {results[0]['gib']:g} GiB = {growth:.3f} (must be <= 1.10)")
+    run_export(args)
     return 0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_make_nvfp4"]:
+        print(json.dumps(make_nvfp4_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))
+        return 0
     if argv[:1] == ["_make"]:
         print(json.dumps(make_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))
         return 0

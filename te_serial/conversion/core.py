@@ -27,16 +27,40 @@ from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto
-from .report import DROPPED, LOSSLESS, LOSSY, ConversionReport, TensorReport
-from .sources import CONFIG_NAME, INDEX_NAME, Source, SourceTensor, open_source
+from .layouts import FAMILIES as LAYOUTS
+from .layouts.base import codes_check, module_of
+from .layouts.common import SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
+from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
+from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, Source, SourceTensor, open_source
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
                       usage_label)
-from .transforms import (ROW, E4M3, ErrorStats, Step, compare, enabled, execute, plan_ct, plan_deepseek,
-                         plan_keep_external, plan_plain, plan_te, values)
+from .transforms import (ROW, ErrorStats, Step, compare, enabled, execute, plan_external, plan_keep_external,
+                         plan_plain, plan_te, values)
 
 __all__ = ["convert", "plan_conversion", "TensorPlan"]
 
 ProgressFn = Callable[[int, int, str], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSpec:
+    """What a serving-layout export writes for every quantized weight: the layout, its weight
+    scheme, the activation scheme chosen, and each layer's activation amax (static scales)."""
+
+    family: str
+    scheme: str
+    mode: str
+    activation_amax: Mapping[str, float]
+    note: str = ""
+    dropped: tuple[str, ...] = ()       # TE module-state tensors left out of the export
+
+    @property
+    def layout(self):
+        return LAYOUTS[self.family]
+
+    @property
+    def name(self) -> str:
+        return self.layout.layout_name(self.scheme)
 
 
 @dataclasses.dataclass
@@ -50,6 +74,7 @@ class TensorPlan:
     keys: list[tuple[str, tuple[int, ...], torch.dtype]]
     alias_of: str | None = None
     shard: int = 0
+    export: ExportSpec | None = None     # serving layouts: how a quantized weight is written
 
     @property
     def nbytes(self) -> int:
@@ -85,13 +110,21 @@ def _parse_usages(usages: str | Sequence[bool] | None) -> tuple[bool, bool] | No
     return r, c
 
 
-def _fmt(q, dtype: torch.dtype, family: str) -> str:
+_CT_FMT = {"fp8_tensor": "ct_fp8_tensor", "fp8_channel": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "mxfp8": "ct_mxfp8"}
+
+
+def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None) -> str:
     if q is None:
         return describe_dtype(dtype)
     if family == "deepseek":
         return "deepseek_fp8"
     if family == "ct":
-        return "ct_fp8_tensor" if q.scale_per_tensor else "ct_fp8_channel"
+        scheme = spec.scheme if spec is not None else None
+        if scheme in ("fp8_tensor", "fp8_channel", None):
+            return "ct_fp8_tensor" if q.scale_per_tensor else "ct_fp8_channel"
+        return _CT_FMT[scheme]
+    if family in LAYOUTS and spec is not None:
+        return spec.name
     return f"{describe_quantizer(q)}/{usage_label(q)}"
 
 
@@ -106,18 +139,22 @@ def _keep(st: SourceTensor, note: str = "") -> Step:
 
 
 def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype: torch.dtype,
-               usages: tuple[bool, bool] | None, strategy: str | None, src_file: str) -> Step:
+               usages: tuple[bool, bool] | None, scheme: str | None, src_file: str) -> Step:
     name, shape = st.name, st.shape
+    rep = LAYOUTS[family].representation(scheme) if family in LAYOUTS and scheme else None
+
+    def keep_external(p) -> Step:
+        return plan_keep_external(family, p, st.dtype, dtype, scheme, st.uniform_rows, shape, rep, name)
+
     if value == KEEP:
         if family == "te":
             return _keep(st)
-        return plan_keep_external(family, st.quantizer, st.dtype, dtype, strategy, st.uniform_rows, shape)
+        return keep_external(st.quantizer)
     t = target(value)
     if st.quantizer is None and not st.dtype.is_floating_point:
         step = _keep(st, "not floating point: kept as it is")
         if family != "te":
-            step = plan_keep_external(family, None, st.dtype, dtype, strategy, False, shape)
-            step = dataclasses.replace(step, note="not floating point: kept as it is")
+            step = dataclasses.replace(keep_external(None), note="not floating point: kept as it is")
         return step
 
     def refuse(why: str) -> Step:
@@ -126,8 +163,7 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
                                   file=src_file, tensor=name)
         if family == "te":
             return _keep(st, f"kept: {why}")
-        step = plan_keep_external(family, st.quantizer, st.dtype, dtype, strategy, st.uniform_rows, shape)
-        return dataclasses.replace(step, note=f"kept: {why}")
+        return dataclasses.replace(keep_external(st.quantizer), note=f"kept: {why}")
 
     if t.family == "plain":
         return plan_plain(st.quantizer, st.dtype, t.dtype)
@@ -141,41 +177,36 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
         return plan_te(st.quantizer, q, dtype, st.dtype)
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
-    if t.family == "deepseek":
-        return plan_deepseek(st.quantizer, dtype, st.dtype)
-    return plan_ct(st.quantizer, t.strategy, dtype, st.dtype, st.uniform_rows)
+    try:
+        rep.check_shape(shape)
+    except ShapeError as e:
+        return refuse(f"{t.name}: {e}")
+    return plan_external(st.quantizer, t.scheme, rep, dtype, st.dtype, st.uniform_rows)
 
 
 def _layout(family: str, name: str, shape: tuple[int, ...], step: Step,
-            strategy: str | None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+            spec: ExportSpec | None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     q = step.out_q
     if q is None:
         return [(name, shape, step.out_dtype)]
     if family == "te":
         return [(buffer_key(name, b), s, d) for b, (s, d) in expected_buffers(step.proto(shape)).items()]
-    # DeepSeek / compressed-tensors: the rowwise data, and the scale grid (DeepSeek: one per
-    # 128×128 tile; compressed-tensors: one per tensor, or one per row)
-    data = (name, shape, q.value_dtypes()[q.usage_layout(ROW).data])
-    if family == "deepseek":
-        return [data, (name + "_scale_inv", q.grid_shape(shape, ROW), torch.float32)]
-    scale_shape = (1,) if q.scale_per_tensor else (shape[0], 1)
-    return [data, (name[: -len("weight")] + "weight_scale", scale_shape, torch.float32)]
+    keys = spec.layout.weight_keys(name, tuple(shape), spec.scheme)
+    if spec.mode == "static":
+        keys += spec.layout.act_keys(name, spec.scheme)
+    return keys
 
 
-def _export(family: str, name: str, out: torch.Tensor) -> dict[str, torch.Tensor]:
+def _export(family: str, name: str, out: torch.Tensor, spec: ExportSpec | None = None) -> dict[str, torch.Tensor]:
     if not isinstance(out, QuantizedTensorStorage):
         return {name: out}
-    q, b = out.quantizer, out.buffers()
     if family == "te":
-        vals = q.value_dtypes()
-        return {buffer_key(name, n): t.view(vals[n]) for n, t in b.items()}
-    lay = q.usage_layout(ROW)
-    data = b[lay.data].view(q.value_dtypes()[lay.data])
-    grid = q.block_scales(b, tuple(out.logical_shape), ROW)  # valid region only, [row blocks, col blocks]
-    if family == "deepseek":
-        return {name: data, name + "_scale_inv": grid.contiguous()}
-    scale = grid.reshape(1).clone() if q.scale_per_tensor else grid[:, :1].contiguous()  # channel: rows share one
-    return {name: data, name[: -len("weight")] + "weight_scale": scale}
+        vals = out.quantizer.value_dtypes()
+        return {buffer_key(name, n): t.view(vals[n]) for n, t in out.buffers().items()}
+    blobs = spec.layout.export(name, out, spec.scheme)
+    if spec.mode == "static":
+        blobs.update(spec.layout.export_act(name, spec.scheme, spec.activation_amax[module_of(name)]))
+    return blobs
 
 
 def _file_of(source: Source, st: SourceTensor) -> str:
@@ -189,31 +220,76 @@ def _file_of(source: Source, st: SourceTensor) -> str:
     return where.get(key, str(source.path))
 
 
+def _parse_amax(activation_amax) -> dict[str, float]:
+    """``activation_amax=``: {module (or its ``.weight``): amax} or a JSON file of that (as
+    :class:`~te_serial.conversion.ActivationAmax` saves from a calibration pass)."""
+    if activation_amax is None:
+        return {}
+    if isinstance(activation_amax, (str, os.PathLike)):
+        try:
+            activation_amax = json.loads(Path(activation_amax).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"cannot read activation amax: {e}", file=str(activation_amax)) from None
+    if not isinstance(activation_amax, Mapping):
+        raise ConversionError("activation_amax must map module names to amax values", field="activation_amax")
+    out = {}
+    for k, v in activation_amax.items():
+        try:
+            a = float(v)
+        except (TypeError, ValueError):
+            raise ConversionError(f"activation amax of {k!r} is not a number: {v!r}", field="activation_amax") from None
+        if not (math.isfinite(a) and a > 0):
+            raise ConversionError(f"activation amax of {k!r} must be finite and > 0, got {a}", field="activation_amax")
+        out[module_of(str(k))] = a
+    return out
+
+
 def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dtype: torch.dtype | str = torch.bfloat16,
-                    usages=None) -> tuple[str, str | None, list[TensorPlan]]:
-    """(output family, compressed-tensors strategy, per-tensor plans) — no data is read."""
+                    usages=None, activations: str | None = "auto",
+                    activation_amax=None) -> tuple[str, ExportSpec | None, list[TensorPlan]]:
+    """(output family, the serving export's :class:`ExportSpec` (None for te-serial and plain
+    outputs), per-tensor plans) — no data is read. ``activations`` / ``activation_amax``: see
+    :func:`convert`."""
     if isinstance(rules, (str, os.PathLike)):
         rules = load_rules(rules)
     r = Rules(rules, recipe)
     family = r.family()
-    strategies = {target(v).strategy for v in r.values() if target(v).family == "ct"}
-    if len(strategies) > 1:
-        raise ConversionError("compressed-tensors targets with per-tensor and per-channel scales in one "
-                              "checkpoint: choose one strategy")
-    strategy = next(iter(strategies), None)
+    scheme = None
+    if family in LAYOUTS:
+        schemes = {target(v).scheme for v in r.values() if target(v).family == family}
+        if len(schemes) > 1:
+            names = sorted({v for v in r.values() if target(v).family == family})
+            raise ConversionError(f"targets {names} are different weight schemes; one {FAMILY_LAYOUT[family]} "
+                                  "export holds one scheme: convert to one of them")
+        scheme = next(iter(schemes))
     dtype = _parse_dtype(dtype)
     use = _parse_usages(usages)
+    mode = parse_mode(activations)
     # a plain checkpoint in one dtype: what is kept but quantized is dequantized to the recipe's dtype
     keep_dtype = target(recipe).dtype if recipe is not None and target(recipe).family == "plain" else dtype
+    module_state = getattr(source, "extra_state_tensors", set()) if family in LAYOUTS else set()
+    steps: list[tuple[str, SourceTensor, Step]] = []
+    for name, st in source.tensors.items():
+        if name in module_state:
+            continue  # TE module state (amax history…): not a weight; its activation amax is used below
+        value, explicit = r.lookup(name, st.shape)
+        step = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use, scheme,
+                          _file_of(source, st))
+        steps.append((name, st, step))
+    spec = None
+    if family in LAYOUTS:
+        acts = dict(source.activation_amax)
+        acts.update(_parse_amax(activation_amax))
+        quantized = [module_of(n) for n, _, step in steps if step.out_q is not None]
+        with_amax = sum(m in acts for m in quantized)
+        chosen, note = LAYOUTS[family].resolve_mode(scheme, mode, with_amax, len(quantized))
+        spec = ExportSpec(family, scheme, chosen, {m: acts[m] for m in quantized if m in acts}, note,
+                          tuple(sorted(module_state)))
     plans: list[TensorPlan] = []
     by_name: dict[str, TensorPlan] = {}
-    for name, st in source.tensors.items():
-        value, explicit = r.lookup(name, st.shape)
-        src_file = _file_of(source, st)
-        step = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use, strategy,
-                          src_file)
-        plan = TensorPlan(name, st, step, _fmt(step.out_q, step.out_dtype, family),
-                          _layout(family, name, st.shape, step, strategy))
+    for name, st, step in steps:
+        plan = TensorPlan(name, st, step, _fmt(step.out_q, step.out_dtype, family, spec),
+                          _layout(family, name, st.shape, step, spec), export=spec)
         plans.append(plan)
         by_name[name] = plan
     if family == "te":  # tied tensors stay tied when both sides take the same path
@@ -224,10 +300,15 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
                 if other.step is not None and other.step.proto(other.src.shape) == plan.step.proto(plan.src.shape) \
                         and other.step.method == plan.step.method:
                     plan.alias_of, plan.step, plan.keys = a, None, []
-    return family, strategy, plans
+    return family, spec, plans
 
 
 # --- output ---------------------------------------------------------------------------------------
+
+#: files a conversion writes (besides shards and config.json): an overwrite removes the old ones,
+#: so a stale hf_quant_config.json cannot make a compressed-tensors export read as ModelOpt
+_OWN_FILES = (MANIFEST_NAME, INDEX_NAME, SIDECAR_NAME, *(n for lay in LAYOUTS.values() for n in lay.extra_file_names))
+
 
 def _hf_shard_name(i: int, n: int) -> str:
     """Hugging Face's shard names."""
@@ -248,6 +329,7 @@ class _Output:
         self.root.mkdir(parents=True, exist_ok=True)
         self.writer: CheckpointWriter | None = None
         self.files: ShardSet | None = None
+        self.sidecar: dict[str, dict] = {}
         if family == "te":
             protos = {p.name: p.step.proto(p.src.shape) for p in plans if p.alias_of is None}
             protos = {p.name: protos[p.alias_of or p.name] for p in plans}
@@ -264,15 +346,19 @@ class _Output:
         if self.writer is not None:
             self.writer.write(plan.name, out)
             return
-        blobs = _export(self.family, plan.name, out)
+        blobs = _export(self.family, plan.name, out, plan.export)
+        if plan.export is not None and isinstance(out, QuantizedTensorStorage):
+            # an exact path keeps the source's rowwise bytes: record the source's own quantizer
+            self.sidecar[plan.name] = sidecar_entry(out, plan.src.quantizer if plan.step.exact else None)
         if set(blobs) != {k for k, _, _ in plan.keys}:
             raise ConversionError(f"output buffers {sorted(blobs)} differ from the plan "
                                   f"{sorted(k for k, _, _ in plan.keys)}", tensor=plan.name)
         for key, t in blobs.items():
             self.files.write(key, t)
 
-    def commit(self, config: dict | None, aux: list[Path]) -> list[str]:
-        """Commit the weights (manifest or index last), then the model directory's other files."""
+    def commit(self, config: dict | None, aux: list[Path], extra: Mapping[str, Any] | None = None) -> list[str]:
+        """Commit the weights (manifest or index last), then the model directory's other files
+        (``extra``: name → JSON document or bytes, e.g. ``hf_quant_config.json``, the sidecar)."""
         if self.writer is not None:
             manifest = self.writer.close()
             written = [self.dst.name] if self.single else [*manifest.files, MANIFEST_NAME]
@@ -287,10 +373,15 @@ class _Output:
                 atomic_write(self.root / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
                 written.append(INDEX_NAME)
         if not self.single:
+            extra = dict(extra or {})
             for p in aux:
-                if p.name != CONFIG_NAME:
+                if p.name != CONFIG_NAME and p.name not in extra:
                     shutil.copyfile(p, self.root / p.name)
                     written.append(p.name)
+            for name, doc in extra.items():
+                data = doc if isinstance(doc, bytes) else (json.dumps(doc, indent=2) + "\n").encode()
+                atomic_write(self.root / name, data)
+                written.append(name)
             if config is not None:
                 atomic_write(self.root / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
                 written.append(CONFIG_NAME)
@@ -303,7 +394,7 @@ class _Output:
         if self.single or not self.dst.is_dir():
             return set()
         return {p.name for p in self.dst.iterdir()
-                if p.is_file() and (p.suffix == ".safetensors" or p.name in (MANIFEST_NAME, INDEX_NAME))}
+                if p.is_file() and (p.suffix == ".safetensors" or p.name in _OWN_FILES)}
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -312,18 +403,31 @@ class _Output:
             self.files.abort()
 
 
-def _ignored_modules(plans: list[TensorPlan]) -> list[str]:
-    """Linear-looking modules left unquantized (2-D ``*.weight`` kept plain), for engine configs."""
+def _ignored_modules(plans: list[TensorPlan], source: Source) -> list[str]:
+    """Every module an engine must leave in high precision, for its config: 2-D ``*.weight``
+    tensors written unquantized (embeddings included), and an output head tied to the embedding (absent
+    from the weights, or stored as an alias): engines build ``lm_head`` as a Linear and, unless
+    it is named here, give it the quantized scheme with scales no file holds."""
     out = []
     for p in plans:
         n = p.name
         if p.step is not None and p.step.out_q is None and len(p.src.shape) == 2 and n.endswith(".weight") \
-                and p.src.dtype.is_floating_point and "embed" not in n and "norm" not in n:
-            out.append(n[: -len(".weight")])
-    return out
+                and p.src.dtype.is_floating_point and "norm" not in n:
+            out.append(n[: -len(".weight")])  # embeddings too: model-free tools treat every '*.weight' as targeted
+    quantized = {p.name for p in plans if p.step is not None and p.step.out_q is not None}
+    for p in plans:  # tied to another tensor (te-serial aliases): the alias's module is a module of its own
+        a = p.src.alias_of
+        if a is not None and p.name.endswith(".weight") and p.name not in quantized:
+            out.append(p.name[: -len(".weight")])
+    cfg = source.config if isinstance(source.config, dict) else {}
+    tied = cfg.get("tie_word_embeddings", True) is not False
+    if "lm_head.weight" not in quantized and "lm_head" not in out and tied \
+            and "lm_head.weight" not in source.tensors:
+        out.append("lm_head")  # a tied head: not in the weights, still a Linear in the model
+    return sorted(set(out), key=out.index)
 
 
-def _config(family: str, strategy: str | None, source: Source, plans: list[TensorPlan]) -> dict | None:
+def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[TensorPlan]) -> dict | None:
     """config.json for the output: the source's, with a quantization_config that matches the weights."""
     base = dict(source.config) if isinstance(source.config, dict) else None
     if family in ("te", "plain"):
@@ -331,25 +435,9 @@ def _config(family: str, strategy: str | None, source: Source, plans: list[Tenso
             return None
         base.pop("quantization_config", None)
         return base
-    ignored = _ignored_modules(plans)
-    if family == "deepseek":
-        qc: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                              "weight_block_size": [128, 128]}
-        if ignored:
-            qc["ignored_layers"] = ignored
-            qc["modules_to_not_convert"] = ignored
-    else:
-        args = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
-                "observer": "minmax", "observer_kwargs": {}, "strategy": strategy, "symmetric": True,
-                "type": "float"}
-        act = {"actorder": None, "block_structure": None, "dynamic": True, "group_size": None, "num_bits": 8,
-               "observer": None, "observer_kwargs": {}, "strategy": "token", "symmetric": True, "type": "float"}
-        qc = {"config_groups": {"group_0": {"input_activations": act, "output_activations": None,
-                                            "targets": ["Linear"], "weights": args}},
-              "format": "float-quantized", "ignore": ignored, "kv_cache_scheme": None,
-              "quant_method": "compressed-tensors", "quantization_status": "compressed"}
     base = base or {}
-    base["quantization_config"] = qc
+    base["quantization_config"] = spec.layout.quantization_config(spec.scheme, spec.mode,
+                                                                  _ignored_modules(plans, source))
     return base
 
 
@@ -381,20 +469,31 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
             rules: Mapping[str, str] | Sequence[tuple[str, str]] | str | os.PathLike | None = None,
             dtype: torch.dtype | str = torch.bfloat16, max_shard_size: int | str = "5GB",
             report: str | os.PathLike | None = None, progress: ProgressFn | None = None,
-            usages: str | None = None, overwrite: bool = False) -> ConversionReport:
+            usages: str | None = None, overwrite: bool = False, activations: str | None = "auto",
+            activation_amax: Mapping[str, float] | str | os.PathLike | None = None) -> ConversionReport:
     """Convert the checkpoint at ``src`` into ``dst``, streaming, and report what happened per tensor.
 
     ``src``: any layout te-serial reads, auto-detected — te-serial (any recipe), plain
-    safetensors (one file, or shards with ``model.safetensors.index.json``), DeepSeek-V3 block
-    FP8, compressed-tensors FP8 (per-tensor or per-channel); anything else raises
-    :class:`~te_serial.UnknownLayoutError`.
+    safetensors (one file, or shards with ``model.safetensors.index.json``), ModelOpt (NVFP4,
+    MXFP8, FP8, FP8_PB_WO), compressed-tensors (FP8 per tensor or channel, NVFP4, MXFP8),
+    DeepSeek-V3 block FP8; anything else raises :class:`~te_serial.UnknownLayoutError`.
 
     ``recipe``: the target of the default rule — a te-serial recipe (``mxfp8``, ``nvfp4_2d``, …,
     see :data:`te_serial.recipes.RECIPES`), ``bf16``/``fp16``/``fp32`` (a plain Hugging Face
-    safetensors checkpoint), ``deepseek_fp8``, ``compressed_tensors_fp8`` (per-channel) or
-    ``compressed_tensors_fp8_tensor`` (both with the ``config.json`` ``quantization_config``
-    engines expect). ``None`` with no rules keeps every tensor (a layout conversion, e.g.
-    DeepSeek → te-serial).
+    safetensors checkpoint), or a serving layout (:data:`TARGETS`: ``modelopt_nvfp4``,
+    ``modelopt_mxfp8``, ``modelopt_fp8``, ``modelopt_fp8_pb_wo``, ``compressed_tensors_nvfp4``,
+    ``compressed_tensors_mxfp8``, ``compressed_tensors_fp8`` (per-channel),
+    ``compressed_tensors_fp8_tensor``, ``deepseek_fp8``), written with the ``config.json``
+    ``quantization_config`` (and ModelOpt's ``hf_quant_config.json``) engines expect.
+    ``None`` with no rules keeps every tensor (a layout conversion, e.g. DeepSeek → te-serial).
+
+    ``activations`` (serving layouts): ``"auto"`` (static activation scales when every quantized
+    layer has an activation amax — W8A8 / W4A4 —, else weight-only where the layout has it — W8A16
+    / W4A16 —, else the layout's dynamic scheme), ``"weight_only"`` (``"none"``), ``"dynamic"`` or
+    ``"static"``; the choice is printed in the report's notes and recorded in the config.
+    ``activation_amax``: {module name: amax of its input} (or a JSON file of it, e.g. from
+    :class:`ActivationAmax` over a calibration pass), on top of what the source records (TE
+    delayed-scaling amax histories, a layout's static input scales).
 
     ``rules``: ``{glob pattern on tensor names: target or "keep"}`` (first match wins, unmatched
     tensors are kept), or a rules file. Default: 2-D ``*.weight`` tensors get ``recipe`` except
@@ -413,17 +512,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     limit = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
     with open_source(src_path, dtype=out_dtype) as source:
-        family, strategy, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype,
-                                                  usages=usages)
+        family, spec, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype, usages=usages,
+                                              activations=activations, activation_amax=activation_amax)
         single = dst_path.suffix == ".safetensors"
-        if single and family in ("deepseek", "ct"):
-            raise ConversionError(f"{FAMILY_LAYOUT[family]} is a model directory (config.json + safetensors); "
+        if single and spec is not None:
+            raise ConversionError(f"{spec.name} is a model directory (config.json + safetensors); "
                                   "give a directory as destination", file=str(dst_path))
         _check_destination(src_path, dst_path, overwrite, single)
-        rep = ConversionReport(str(src_path), str(dst_path), source.layout, FAMILY_LAYOUT[family], recipe)
+        rep = ConversionReport(str(src_path), str(dst_path), source.layout,
+                               spec.name if spec is not None else FAMILY_LAYOUT[family], recipe)
+        if spec is not None:
+            rep.notes.append(spec.note)
         metadata = dict(source.metadata) if family == "te" else {}
         if family == "te":
             metadata["te_serial.converted_from"] = source.layout
+            acts = {**source.activation_amax, **_parse_amax(activation_amax)}
+            if acts and source.layout != "te-serial" or activation_amax is not None:
+                metadata[ACT_AMAX_KEY] = json.dumps({k: float(v).hex() for k, v in sorted(acts.items())})
         out = _Output(dst_path, family, plans, limit, source, metadata)
         total = source.nbytes
         done = 0
@@ -455,21 +560,34 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                     done += st.nbytes
                 if progress is not None:
                     progress(done, total, plan.name)
-            for name, (reason, nbytes) in source.dropped.items():
-                reports[name] = TensorReport(name, source.file(source._where[name]).entries[name].shape,
-                                             "activation scale", "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
-            config = _config(family, strategy, source, plans)
+            dropped = {name: (source.file(source._where[name]).entries[name].shape, "activation scale", reason,
+                              nbytes) for name, (reason, nbytes) in source.dropped.items()}
+            for name in (spec.dropped if spec is not None else ()):
+                st = source.tensors[name]
+                dropped[name] = (st.shape, _src_fmt(st), "TE module state (scales, amax history): not a weight; "
+                                 "its amax history gives the layer's activation amax", st.nbytes)
+            for name, (shape, what, reason, nbytes) in dropped.items():
+                reports[name] = TensorReport(name, shape, what, "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
+            config = _config(spec, family, source, plans)
             aux = source.aux_files if source.path.is_dir() else []
             if config is not None and single:
                 config = None  # a single file has nowhere to put it
-            rep.files = out.commit(config, [] if single else aux)
+            extra = {}
+            if spec is not None:
+                ignored = config["quantization_config"].get("ignore", config["quantization_config"].get(
+                    "exclude_modules", config["quantization_config"].get("ignored_layers", [])))
+                extra.update(spec.layout.extra_files(spec.scheme, spec.mode, ignored))
+                extra[SIDECAR_NAME] = write_sidecar(out.sidecar, spec.activation_amax)
+            rep.files = out.commit(config, [] if single else aux, extra)
         except BaseException:
             out.abort()
             raise
-        rep.tensors = [reports[p.name] for p in plans] + [reports[n] for n in source.dropped]
+        rep.tensors = [reports[p.name] for p in plans] + [reports[n] for n in dropped]
         if source.tree is not None and family != "te":
             rep.notes.append("the te-serial checkpoint's non-tensor values (its tree) are not kept in safetensors")
-        if family in ("deepseek", "ct") and source.config is None:
+        for name, note in source.notes.items():
+            rep.notes.append(f"{name}: {note}")
+        if spec is not None and source.config is None:
             rep.notes.append("the source has no config.json: the written config.json holds only quantization_config")
     rep.seconds = time.perf_counter() - t0
     if report is not None:
@@ -477,9 +595,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     return rep
 
 
+def tensor_plan(st: SourceTensor, step: Step, family: str = "te") -> TensorPlan:
+    """One tensor's plan for ``step`` (output format name and buffers), as :func:`plan_conversion` makes it
+    (for callers that choose the step themselves, e.g. ``load_into`` quantizing on the fly)."""
+    return TensorPlan(st.name, st, step, _fmt(step.out_q, step.out_dtype, family),
+                      _layout(family, st.name, st.shape, step, None))
+
+
 def _convert_one(source: Source, plan: TensorPlan, out: _Output, family: str) -> tuple[TensorReport, TensorProto]:
+    result, rep, proto = convert_tensor(source, plan, family)
+    out.write(plan, result)
+    return rep, proto
+
+
+def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
+                   src: torch.Tensor | None = None) -> tuple[torch.Tensor, TensorReport, TensorProto]:
+    """The per-tensor step of :func:`convert` (and of ``load_into`` quantizing on the fly): read the
+    tensor (or take ``src``, already read), run the plan's step, check the result against the
+    source. Returns (output tensor, its report, its prototype)."""
     st, step = plan.src, plan.step
-    src = source.load(plan.name)
+    src = source.load(plan.name) if src is None else src
     cache: dict[str, torch.Tensor] = {}
 
     def x_fn() -> torch.Tensor:
@@ -489,11 +624,21 @@ def _convert_one(source: Source, plan: TensorPlan, out: _Output, family: str) ->
 
     result, step = execute(step, src, x_fn)
     proto = TensorProto(st.shape, step.out_dtype, step.out_q if isinstance(result, QuantizedTensorStorage) else None)
-    out.write(plan, result)
-    target_fmt = _fmt(proto.quantizer, step.out_dtype, family)
+    target_fmt = _fmt(proto.quantizer, step.out_dtype, family, plan.export)
     quantized_src = isinstance(src, QuantizedTensorStorage)
     primary = x_fn if quantized_src else (lambda: src)  # a plain source is compared as it is (no copy)
+    spec = plan.export
+    checks = [c for c in (getattr(source, "import_checks", {}).get(plan.name),) if c is not None]
     if step.builder == "keep":
+        stats = ErrorStats(True)
+    elif spec is not None and step.exact and isinstance(result, QuantizedTensorStorage) \
+            and result.quantizer.global_scale_divisor() is not None:
+        # A two-level weight written into a serving layout: its codes and block scales are the
+        # source's bytes (a copy, or tile scales spread by the format's own derive), so te-serial's
+        # values are the source's; what can differ is the layout reader's way of applying the tensor
+        # scale — measured per (block scale, code) pair, without a pass over the elements.
+        reader = spec.layout.reader(spec.scheme, spec.layout.export(plan.name, result, spec.scheme), plan.name)
+        checks.append(codes_check(result, reader))
         stats = ErrorStats(True)
     elif not isinstance(result, QuantizedTensorStorage):
         stats = compare(primary(), result)
@@ -524,6 +669,16 @@ def _convert_one(source: Source, plan: TensorPlan, out: _Output, family: str) ->
             note = (note + "; " if note else "") + "requantized, and these values came out bit-identical"
     if label == LOSSLESS:
         stats = ErrorStats(True)
+    ulp_max = ulp_elements = 0
+    if label == LOSSLESS and any(c.ulp_max for c in checks):
+        # reader → te-serial (an import) and te-serial → reader (an export) add up at most
+        ulp_max = sum(c.ulp_max for c in checks)
+        ulp_elements = max(c.ulp_elements for c in checks)
+        label = EXACT_CODES
+        stats = ErrorStats(False, sum(c.max_abs_err for c in checks), 0.0, math.inf)
+        note = (note + "; " if note else "") + (
+            f"codes and block scales byte-identical; the layout's reader applies the global scale with its own "
+            f"formula: values within {ulp_max} fp32 ulp of te-serial's on at most {ulp_elements} elements")
     rep = TensorReport(plan.name, st.shape, _src_fmt(st), target_fmt, step.method, label, stats.max_abs_err,
-                       stats.rel_rmse, stats.snr_db, st.nbytes, plan.nbytes, note)
-    return rep, proto
+                       stats.rel_rmse, stats.snr_db, st.nbytes, plan.nbytes, note, ulp_max, ulp_elements)
+    return result, rep, proto

@@ -17,6 +17,9 @@ from typing import Any
 __all__ = ["TensorReport", "ConversionReport", "format_bytes"]
 
 LOSSLESS, LOSSY, DROPPED = "lossless", "lossy", "dropped"
+#: the element codes and block scales are the source's bytes, but the layout's reader applies the
+#: tensor-wide scale with its own formula: some values land a few fp32 ulp away (``ulp_max``)
+EXACT_CODES = "exact codes"
 
 
 def format_bytes(n: float) -> str:
@@ -49,13 +52,18 @@ class TensorReport:
     source: str          # the source format ("bf16", "mxfp8", "deepseek_fp8", …)
     target: str          # the output format
     method: str          # keep | copy | relayout | quantize | requantize | dequantize | cast | tied | drop
-    label: str           # lossless | lossy | dropped
+    label: str           # lossless | exact codes | lossy | dropped
     max_abs_err: float = 0.0
     rel_rmse: float = 0.0
     snr_db: float = math.inf
     src_bytes: int = 0
     dst_bytes: int = 0
     note: str = ""
+    #: "exact codes" only: the largest distance, in fp32 ulp, between the layout reader's value and
+    #: te-serial's, and how many elements may be that far (those in blocks whose per-block factor
+    #: differs between the two formulas; zeros among them are equal)
+    ulp_max: int = 0
+    ulp_elements: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -70,6 +78,8 @@ class TensorReport:
         d["shape"] = tuple(d["shape"])
         for k in ("max_abs_err", "rel_rmse", "snr_db"):
             d[k] = _unnum(d[k])
+        d.setdefault("ulp_max", 0)
+        d.setdefault("ulp_elements", 0)
         return TensorReport(**d)
 
 
@@ -106,6 +116,10 @@ class ConversionReport:
         return [t for t in self.tensors if t.label == LOSSY]
 
     @property
+    def exact_codes(self) -> list[TensorReport]:
+        return [t for t in self.tensors if t.label == EXACT_CODES]
+
+    @property
     def dropped(self) -> list[TensorReport]:
         return [t for t in self.tensors if t.label == DROPPED]
 
@@ -116,7 +130,7 @@ class ConversionReport:
         raise KeyError(name)
 
     def counts(self) -> dict[str, int]:
-        out = {LOSSLESS: 0, LOSSY: 0, DROPPED: 0}
+        out = {LOSSLESS: 0, EXACT_CODES: 0, LOSSY: 0, DROPPED: 0}
         for t in self.tensors:
             out[t.label] = out.get(t.label, 0) + 1
         return out
@@ -125,7 +139,11 @@ class ConversionReport:
         c = self.counts()
         gbps = self.src_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
         worst = min((t.snr_db for t in self.lossy), default=math.inf)
-        parts = [f"{len(self.tensors)} tensors: {c[LOSSLESS]} lossless, {c[LOSSY]} lossy"]
+        parts = [f"{len(self.tensors)} tensors: {c[LOSSLESS]} lossless"]
+        if c[EXACT_CODES]:
+            worst_ulp = max(t.ulp_max for t in self.exact_codes)
+            parts.append(f"{c[EXACT_CODES]} exact codes (values within {worst_ulp} ulp)")
+        parts.append(f"{c[LOSSY]} lossy")
         if c[DROPPED]:
             parts.append(f"{c[DROPPED]} dropped")
         line = ", ".join(parts)
@@ -143,11 +161,13 @@ class ConversionReport:
                  "SNR dB", "bytes")]
         shown = self.tensors if max_rows is None else self.tensors[:max_rows]
         for t in shown:
-            lossy = t.label == LOSSY
-            rows.append((t.name, "x".join(map(str, t.shape)) or "scalar", t.source, t.target, t.method, t.label,
-                         f"{t.max_abs_err:.4g}" if lossy else "0" if t.label == LOSSLESS else "-",
-                         f"{t.rel_rmse:.4g}" if lossy else "0" if t.label == LOSSLESS else "-",
-                         f"{t.snr_db:.1f}" if lossy else "inf" if t.label == LOSSLESS else "-",
+            lossy, codes = t.label == LOSSY, t.label == EXACT_CODES
+            zero = t.label == LOSSLESS
+            result = f"{t.label} (<={t.ulp_max} ulp)" if codes else t.label
+            rows.append((t.name, "x".join(map(str, t.shape)) or "scalar", t.source, t.target, t.method, result,
+                         f"{t.max_abs_err:.4g}" if lossy or codes else "0" if zero else "-",
+                         f"{t.rel_rmse:.4g}" if lossy else "0" if zero else "-",
+                         f"{t.snr_db:.1f}" if lossy else "inf" if zero else "-",
                          str(t.dst_bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         right = {1, 6, 7, 8, 9}

@@ -10,6 +10,11 @@ Layouts (auto-detected by :func:`detect_layout`):
   (F32, one value per 128×128 block, ``[ceil(M/128), ceil(K/128)]``; value = fp8 × scale_inv).
   ``config.json`` says ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
   "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``.
+* ModelOpt (``hf_quant_config.json`` or ``quant_method: "modelopt"``): NVFP4, MXFP8, FP8 and
+  FP8_PB_WO weights; compressed-tensors ``nvfp4-pack-quantized`` and ``mxfp8-quantized`` — see
+  :mod:`te_serial.conversion.layouts` for their tensors. NVFP4 weights come back with the source's
+  codes and block scales and a tensor amax whose layout-convention global scale is the stored
+  one; with te-serial's export sidecar (``te_serial_export.json``) the exact amax and quantizer.
 * ``compressed_tensors_fp8`` — compressed-tensors ``float-quantized`` FP8: ``<m>.weight`` in
   F8_E4M3 plus ``<m>.weight_scale`` (the weight's original float dtype, usually BF16; shape
   ``[1]`` for strategy ``tensor``, ``[out, 1]`` for ``channel``; value = fp8 × scale), no zero
@@ -35,20 +40,27 @@ from typing import Any
 
 import torch
 
-from .. import numerics as nx
-from ..errors import CheckpointError, CheckpointFileError, UnknownLayoutError
-from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer
+from ..errors import CheckpointError, CheckpointFileError, ShapeError, UnknownLayoutError
 from ..proto import TensorProto
 from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
+from .layouts import FAMILIES as LAYOUT_FAMILIES
+from .layouts.common import SIDECAR_NAME, read_sidecar
+from .layouts.compressed_tensors import ct_schemes
+from .layouts.modelopt import HF_QUANT_CONFIG, read_hf_quant_config
 from .targets import describe_dtype, describe_quantizer, usage_label
 
 __all__ = ["SourceTensor", "Source", "open_source", "detect_layout", "INDEX_NAME", "LAYOUTS"]
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-LAYOUTS = ("te-serial", "safetensors", "deepseek_fp8", "compressed_tensors_fp8")
+LAYOUTS = ("te-serial", "safetensors", "deepseek_fp8", "compressed_tensors_fp8", "compressed_tensors_nvfp4",
+           "compressed_tensors_mxfp8", "compressed_tensors", "modelopt_nvfp4", "modelopt_mxfp8", "modelopt_fp8",
+           "modelopt_fp8_pb_wo", "modelopt")
+#: te-serial checkpoint metadata key holding the activation amax of each layer (JSON), kept so a
+#: later export can still write static activation scales
+ACT_AMAX_KEY = "te_serial.activation_amax"
 
 E4M3 = torch.float8_e4m3fn
 _FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
@@ -67,9 +79,6 @@ _FOREIGN_SUFFIXES = {
     ".absmax": ("bitsandbytes 4-bit", None), ".quant_map": ("bitsandbytes 4-bit", None),
     ".nested_absmax": ("bitsandbytes 4-bit", None), "_blocks": ("MXFP4 (gpt-oss) blocks", "_scales"),
 }
-#: compressed-tensors activation / KV-cache parameters: not weights, dropped on conversion
-_CT_ACTIVATION_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point",
-                           ".k_scale", ".v_scale", ".q_scale", ".input_global_scale")
 #: files never copied along with a model directory
 _NOT_AUX_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".msgpack", ".h5",
                      ".gguf", ".npz", ".msgpack")
@@ -115,6 +124,13 @@ class Source:
         self.tree: Any = None
         self.metadata: dict[str, str] = {}
         self._files: dict[str, SafetensorsFile] = {}
+        #: module name → amax of its input activations (TE delayed-scaling history, a layout's static
+        #: activation scales, or the te-serial checkpoint's record of either)
+        self.activation_amax: dict[str, float] = {}
+        #: tensor name → how the te-serial values of an imported two-level weight relate to the
+        #: source layout reader's values (filled as the tensor is loaded)
+        self.import_checks: dict[str, Any] = {}
+        self.notes: dict[str, str] = {}
 
     @property
     def nbytes(self) -> int:
@@ -164,9 +180,50 @@ class TeSerialSource(Source):
             self.aux_files = _aux_files(path, exclude={MANIFEST_NAME, *manifest.files})
             if (path / CONFIG_NAME).is_file():  # a model directory converted to te-serial keeps its config
                 self.config = _read_json(path / CONFIG_NAME)
+        #: the tensors of TE modules' decoded ``_extra_state`` (scales, amax histories): module state,
+        #: not weights — a serving export leaves them out and takes activation scales from them
+        self.extra_state_tensors = {n for n in self.tensors if any(c.endswith("_extra_state") for c in n.split(".")[:-1])}
+        self.activation_amax = self._activation_amax()
 
     def load(self, name: str) -> torch.Tensor:
         return self.ckpt.get(name, verify=self.verify, mmap=False)
+
+    def _activation_amax(self) -> dict[str, float]:
+        """module → input amax: from TE delayed-scaling state (``<m>._extra_state``'s
+        ``amax_history_fwd``, column 0 = the GEMM input of a one-GEMM module, reduced as its
+        recipe's ``amax_compute_algo`` says), then the checkpoint's own record (metadata)."""
+        from ..checkpoint.tree import TEExtraState, TensorRef
+        out: dict[str, float] = {}
+        stack = [((), self.tree)]
+        while stack:
+            path, node = stack.pop()
+            if isinstance(node, dict):
+                stack.extend((path + (str(k),), v) for k, v in node.items())
+            elif isinstance(node, TEExtraState) and isinstance(node.state, dict):
+                ref = node.state.get("amax_history_fwd")
+                if not isinstance(ref, TensorRef) or ref.name not in self.tensors:
+                    continue
+                hist = self.ckpt.get(ref.name, verify=self.verify, mmap=False).float()
+                if hist.dim() != 2 or hist.shape[1] != 3 or hist.shape[0] == 0:
+                    continue  # one GEMM (input, weight, output) only: LayerNormMLP's two are not mapped
+                recipe = node.state.get("recipe") or {}
+                algo = (recipe.get("fields") or {}).get("amax_compute_algo", "max") if isinstance(recipe, dict) else "max"
+                amax = float(hist[0, 0] if algo == "most_recent" else hist[:, 0].max())
+                key = ".".join(path)
+                module = key[: -len("_extra_state")].rstrip(".")
+                if amax > 0 and math.isfinite(amax):
+                    out[module] = amax
+        try:
+            recorded = json.loads(self.metadata.get(ACT_AMAX_KEY, "{}"))
+        except ValueError:
+            recorded = {}
+        if isinstance(recorded, dict):
+            for k, v in recorded.items():
+                try:
+                    out.setdefault(str(k), float.fromhex(v) if isinstance(v, str) else float(v))
+                except (TypeError, ValueError):
+                    continue
+        return out
 
     def close(self) -> None:
         self.ckpt.close()
@@ -175,7 +232,10 @@ class TeSerialSource(Source):
 # --- safetensors-based layouts (plain, DeepSeek, compressed-tensors) ---------------------------
 
 class SafetensorsSource(Source):
-    """Plain HF safetensors, DeepSeek-V3 block FP8 and compressed-tensors FP8 (one file or shards)."""
+    """Plain HF safetensors and the serving layouts (ModelOpt, compressed-tensors, DeepSeek-V3
+    block FP8), one file or shards. Which layout it is comes from ``config.json``'s
+    ``quantization_config`` or ``hf_quant_config.json`` (else from the tensor names); the layout's
+    module (:mod:`te_serial.conversion.layouts`) claims its tensors."""
 
     def __init__(self, path: Path, files: list[Path], key_files: dict[str, Path] | None,
                  config: dict | None, config_path: Path | None, *, dtype: torch.dtype) -> None:
@@ -202,9 +262,24 @@ class SafetensorsSource(Source):
         self._where = where
         qc = (config or {}).get("quantization_config") if isinstance(config, dict) else None
         self.quant_config = qc if isinstance(qc, dict) else None
-        self.layout = self._classify(config_path)
+        self.config_file = str(config_path) if config_path else str(path)
+        root = path if path.is_dir() else path.parent
+        hfq_path = root / HF_QUANT_CONFIG
+        self.hf_quant_config = read_hf_quant_config(hfq_path) if hfq_path.is_file() else None
+        if self.hf_quant_config is not None:
+            self.config_file = str(hfq_path)
+        self.sidecar, sidecar_acts = read_sidecar(root / SIDECAR_NAME) if (root / SIDECAR_NAME).is_file() else ({}, {})
+        self.consumed: set[str] = set()
+        self.modelopt_algo: str | None = None
+        self.ct_schemes: set[str] | None = None
+        self.ue8m0 = False
+        self.layout = self._classify()
+        for k, v in sidecar_acts.items():  # the exact amax te-serial exported (the layout holds a rounded scale)
+            self.activation_amax[k] = v
         if path.is_dir():
-            self.aux_files = _aux_files(path, exclude={INDEX_NAME, *(p.name for p in files)})
+            # the layout's own config files are written anew by an export, never carried into another layout
+            self.aux_files = _aux_files(path, exclude={INDEX_NAME, SIDECAR_NAME, HF_QUANT_CONFIG,
+                                                       *(p.name for p in files)})
 
     # -- classification ------------------------------------------------------------------------
     def _info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int]:
@@ -215,136 +290,116 @@ class SafetensorsSource(Source):
         file = self._where.get(key, str(self.path)) if key else str(self.path)
         raise UnknownLayoutError(message, file=file, tensor=key)
 
-    def _classify(self, config_path: Path | None) -> str:
-        qc = self.quant_config
+    def add_quantized(self, name: str, shape: tuple[int, ...], keys: dict, nbytes: int, layout, *,
+                      consumed: list | None = None, uniform_rows: bool = False, fmt: str | None = None) -> None:
+        """Called by a layout's ``claim``: ``name`` is a quantized weight held by ``keys``."""
+        scheme = keys["scheme"]
+        q = layout.quantizer_for(self, name, scheme)
+        try:
+            q.check_shape(tuple(shape))
+        except ShapeError as e:
+            self._fail(f"{layout.layout_name(scheme)} weight of shape {list(shape)}: te-serial's {q.layout_name()} "
+                       f"cannot hold it ({e})", keys["weight"])
+        keys = {**keys, "layout": layout}
+        self.tensors[name] = SourceTensor(name, TensorProto(tuple(shape), self.dtype, q),
+                                          fmt or layout.layout_name(scheme), "row", nbytes, keys,
+                                          uniform_rows=uniform_rows)
+        self.consumed.update(k for k in (consumed or [keys.get("weight"), keys.get("scale"), keys.get("glob")]) if k)
+
+    def add_activation(self, module: str, key: str, to_amax) -> None:
+        """A static activation scale: recorded as the layer's activation amax (re-exports write it
+        again), reported as dropped (it is not a weight)."""
+        value = self._read(key).float().reshape(-1)
+        if value.numel() == 1 and math.isfinite(float(value)) and float(value) > 0:
+            self.activation_amax.setdefault(module, float(to_amax(float(value))))
+        self.drop(key, "activation scale, not a weight (kept as the layer's activation amax for re-export)")
+
+    def drop(self, key: str, reason: str) -> None:
+        self.consumed.add(key)
+        self.dropped[key] = (reason, self._info(key)[2])
+
+    def _family(self) -> str | None:
+        qc, hfq = self.quant_config, self.hf_quant_config
         method = qc.get("quant_method") if qc else None
-        expect = None
-        ue8m0 = False
-        ct_strategies: set[str] | None = None
-        cfg_file = str(config_path) if config_path else str(self.path)
-        if method is not None:
-            if method == "fp8":
-                block = qc.get("weight_block_size")
-                if block is None or list(block) != [128, 128] or qc.get("fmt", "e4m3") != "e4m3":
-                    raise UnknownLayoutError(
-                        f"quantization_config quant_method 'fp8' with fmt={qc.get('fmt')!r}, weight_block_size="
-                        f"{block!r}: te-serial reads block FP8 only as DeepSeek-V3 writes it (e4m3, [128, 128])",
-                        file=cfg_file, field="quantization_config")
-                ue8m0 = qc.get("scale_fmt") == "ue8m0"
-                expect = "deepseek_fp8"
-            elif method == "compressed-tensors":
-                ct_strategies = _ct_weight_strategies(qc, cfg_file)
-                expect = "compressed_tensors_fp8"
-            else:
+        if hfq is not None or method == "modelopt":
+            body = (hfq or {}).get("quantization") if hfq is not None else qc
+            algo = body.get("quant_algo") if isinstance(body, dict) else None
+            self.modelopt_algo = algo if isinstance(algo, str) else ""
+            return "modelopt"
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+            if block is None or list(block) != [128, 128] or qc.get("fmt", "e4m3") != "e4m3":
                 raise UnknownLayoutError(
-                    f"quantization_config quant_method {method!r} is not a layout te-serial reads (it reads "
-                    "plain safetensors, DeepSeek-V3 block FP8 (quant_method 'fp8') and compressed-tensors "
-                    "float-quantized FP8)", file=cfg_file, field="quantization_config")
+                    f"quantization_config quant_method 'fp8' with fmt={qc.get('fmt')!r}, weight_block_size="
+                    f"{block!r}: te-serial reads block FP8 only as DeepSeek-V3 writes it (e4m3, [128, 128])",
+                    file=self.config_file, field="quantization_config")
+            self.ue8m0 = qc.get("scale_fmt") == "ue8m0"
+            return "deepseek"
+        if method == "compressed-tensors":
+            self.ct_schemes = ct_schemes(qc, self.config_file)
+            return "ct"
+        if method is not None:
+            raise UnknownLayoutError(
+                f"quantization_config quant_method {method!r} is not a layout te-serial reads (it reads plain "
+                "safetensors, ModelOpt ('modelopt': NVFP4, MXFP8, FP8, FP8_PB_WO), compressed-tensors (FP8, NVFP4, "
+                "MXFP8) and DeepSeek-V3 block FP8 ('fp8'))", file=self.config_file, field="quantization_config")
+        return None
+
+    def _classify(self) -> str:
         keys = list(self._where)
         keyset = set(keys)
+        family = self._family()
+        ds = [k for k in keys if k.endswith("_scale_inv")]
+        scaled = [k for k in keys if k.endswith(".weight_scale")]
+        if family is None:  # no config: the names say it
+            if ds and scaled:
+                self._fail("checkpoint mixes DeepSeek-style weight_scale_inv and compressed-tensors weight_scale "
+                           "tensors", ds[0])
+            if any(k.endswith(".weight_scale_2") for k in keys):
+                family, self.modelopt_algo = "modelopt", None
+            elif scaled:
+                family = "ct"
+            elif ds:
+                family = "deepseek"
+        elif family == "deepseek" and scaled:
+            self._fail("config.json says deepseek_fp8 but the tensors are laid out as compressed-tensors / ModelOpt "
+                       "(weight_scale)")
+        elif family in ("ct", "modelopt") and ds:
+            self._fail(f"config.json says {family} but the tensors are laid out as deepseek_fp8 (weight_scale_inv)")
+        consumes = {"ct": (".weight_packed", ".weight_global_scale")}.get(family, ())
         for k in keys:
             for suffix, (what, sibling) in _FOREIGN_SUFFIXES.items():
+                if suffix in consumes:
+                    continue
                 if k.endswith(suffix) and (sibling is None or k[: -len(suffix)] + sibling in keyset):
                     self._fail(f"tensor looks like {what}, a layout te-serial does not read", k)
-        consumed: set[str] = set()
-        ds_pairs: dict[str, str] = {}
-        ct_pairs: dict[str, str] = {}
+        layout = LAYOUT_FAMILIES.get(family) if family else None
+        if layout is not None:
+            layout.claim(self)
+            for k in keys:
+                if k in self.consumed:
+                    continue
+                if family == "modelopt" and k.endswith((".k_scale", ".v_scale", ".input_scale")):
+                    self.drop(k, "ModelOpt activation/KV-cache scale, not a weight")
         for k in keys:
-            if k.endswith("_scale_inv"):
-                base = k[: -len("_scale_inv")]
-                if base not in keyset:
-                    self._fail("scale tensor has no weight next to it (expected "
-                               f"{base!r}, DeepSeek-V3 naming)", k)
-                ds_pairs[base] = k
-            elif k.endswith("weight_scale"):
-                base = k[: -len("_scale")]
-                if base not in keyset:
-                    self._fail(f"scale tensor has no weight next to it (expected {base!r}, "
-                               "compressed-tensors naming)", k)
-                ct_pairs[base] = k
-        if ds_pairs and ct_pairs:
-            self._fail("checkpoint mixes DeepSeek-style weight_scale_inv and compressed-tensors weight_scale "
-                       "tensors", next(iter(ds_pairs.values())))
-        layout = "deepseek_fp8" if ds_pairs else "compressed_tensors_fp8" if ct_pairs else "safetensors"
-        if expect is not None and layout not in (expect, "safetensors"):
-            self._fail(f"config.json says {expect} but the tensors are laid out as {layout}")
-        for k in keys:
-            if k in ds_pairs:
-                self._add_deepseek(k, ds_pairs[k], ue8m0)
-                consumed.update((k, ds_pairs[k]))
-            elif k in ct_pairs:
-                self._add_ct(k, ct_pairs[k], ct_strategies)
-                consumed.update((k, ct_pairs[k]))
-                zp = k + "_zero_point"
-                if zp in keyset:
-                    consumed.add(zp)
-                    self.tensors[k].keys["zero_point"] = zp
-        for k in keys:
-            if k in consumed or k in self.tensors:
+            if k in self.consumed or k in self.tensors:
                 continue
             dtype, shape, nbytes = self._info(k)
-            if k.endswith("_scale_inv") or k.endswith("weight_scale"):
-                continue  # consumed with their weight above
-            if layout == "compressed_tensors_fp8" and k.endswith(_CT_ACTIVATION_SUFFIXES + ("weight_zero_point",)):
-                if k.endswith("weight_zero_point"):
-                    self._fail("zero point without a quantized weight", k)
-                self.dropped[k] = ("compressed-tensors activation/KV-cache parameter, not a weight", nbytes)
-                continue
             if dtype in _FP8_CODES:
                 self._fail(f"{describe_dtype(dtype)} tensor without a scale next to it ({k}_scale_inv or "
                            f"{k}_scale): not a layout te-serial reads", k)
             self.tensors[k] = SourceTensor(k, TensorProto(shape, dtype), describe_dtype(dtype), "-", nbytes,
                                            {"data": k})
-        # keep the source's order
         order = {k: i for i, k in enumerate(keys)}
-        self.tensors = dict(sorted(self.tensors.items(), key=lambda kv: order[kv[0]]))
-        return layout
-
-    def _add_deepseek(self, wkey: str, skey: str, pow2: bool) -> None:
-        wdtype, wshape, wbytes = self._info(wkey)
-        sdtype, sshape, sbytes = self._info(skey)
-        if wdtype != E4M3 or len(wshape) != 2:
-            self._fail(f"DeepSeek block FP8 weights are 2-D F8_E4M3, got {describe_dtype(wdtype)}{list(wshape)}", wkey)
-        m, k = wshape
-        want = (nx.ceil_div(m, 128), nx.ceil_div(k, 128))
-        if sdtype not in (torch.float32, torch.float8_e8m0fnu) or sshape != want:
-            self._fail(f"weight_scale_inv should be F32{list(want)} for a weight of shape {list(wshape)} "
-                       f"(one scale per 128x128 block), got {describe_dtype(sdtype)}{list(sshape)}", skey)
-        q = Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=2,
-                                 force_pow_2_scales=pow2 or sdtype == torch.float8_e8m0fnu)
-        self.tensors[wkey] = SourceTensor(wkey, TensorProto(wshape, self.dtype, q), "deepseek_fp8", "row",
-                                          wbytes + sbytes, {"weight": wkey, "scale": skey, "kind": "deepseek"})
-
-    def _add_ct(self, wkey: str, skey: str, strategies: set[str] | None) -> None:
-        wdtype, wshape, wbytes = self._info(wkey)
-        sdtype, sshape, sbytes = self._info(skey)
-        if wdtype != E4M3 or len(wshape) != 2:
-            self._fail(f"compressed-tensors FP8 weights are 2-D F8_E4M3, got {describe_dtype(wdtype)}{list(wshape)}",
-                       wkey)
-        if sdtype not in (torch.float32, torch.bfloat16, torch.float16):
-            self._fail(f"weight_scale must be a float tensor, got {describe_dtype(sdtype)}", skey)
-        m, k = wshape
-        numel = math.prod(sshape)
-        if numel == 1 and len(sshape) <= 2:
-            strategy = "tensor"
-        elif sshape in ((m, 1), (m,)):
-            strategy = "channel"
-        else:
-            self._fail(f"weight_scale {list(sshape)} for a weight {list(wshape)} is neither per-tensor [1] nor "
-                       "per-channel [out, 1] (group and block strategies are not read)", skey)
-        if strategies is not None and strategy not in strategies:
-            self._fail(f"weight_scale shape {list(sshape)} means strategy {strategy!r}, but config.json's "
-                       f"config_groups declare {sorted(strategies)}", skey)
-        if strategy == "tensor":
-            q = Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False)
-            fmt = "ct_fp8_tensor"
-        else:
-            q = Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=1,
-                                     force_pow_2_scales=False)
-            fmt = "ct_fp8_channel"
-        self.tensors[wkey] = SourceTensor(wkey, TensorProto(wshape, self.dtype, q), fmt, "row", wbytes + sbytes,
-                                          {"weight": wkey, "scale": skey, "kind": strategy},
-                                          uniform_rows=strategy == "channel")
+        self.tensors = dict(sorted(self.tensors.items(), key=lambda kv: order.get(kv[1].keys.get("weight", kv[0]),
+                                                                                   order.get(kv[0], 0))))
+        quantized = {st.keys["scheme"] for st in self.tensors.values() if st.quantizer is not None}
+        if layout is None or not quantized:
+            return "safetensors"
+        if family == "deepseek":
+            return "deepseek_fp8"
+        names = {layout.layout_name(s) for s in quantized}
+        return names.pop() if len(names) == 1 else {"ct": "compressed_tensors", "modelopt": "modelopt"}[family]
 
     # -- loading -------------------------------------------------------------------------------
     def _read(self, key: str) -> torch.Tensor:
@@ -354,62 +409,7 @@ class SafetensorsSource(Source):
         st = self.tensors[name]
         if st.quantizer is None:
             return self._read(st.keys["data"])
-        q = st.quantizer
-        m, k = st.shape
-        data = self._read(st.keys["weight"]).view(torch.uint8)
-        scale = self._read(st.keys["scale"])
-        scale = (nx.e8m0_dequant_scale(scale.view(torch.uint8)) if scale.dtype == torch.float8_e8m0fnu
-                 else scale.float())  # bf16/fp16 → fp32 is exact
-        zp = st.keys.get("zero_point")
-        if zp is not None and bool((self._read(zp).float() != 0).any()):
-            self._fail("nonzero weight_zero_point: asymmetric FP8 is not a layout te-serial reads", zp)
-        specs = q.describe_buffers(st.shape)
-        kind = st.keys["kind"]
-        if kind == "deepseek":
-            s = torch.zeros(specs["_rowwise_scale_inv"].shape, dtype=torch.float32)
-            s[: scale.shape[0], : scale.shape[1]] = scale
-            buffers = {"_rowwise_data": data, "_rowwise_scale_inv": s}
-        elif kind == "tensor":
-            buffers = {"_data": data, "_scale_inv": scale.reshape(1).clone()}
-        else:  # channel: every 1×128 block of row m takes the channel's scale
-            s = torch.zeros(specs["_rowwise_scale_inv"].shape, dtype=torch.float32)
-            s[:, :m] = scale.reshape(1, m)
-            buffers = {"_rowwise_data": data, "_rowwise_scale_inv": s}
-        return st.proto.assemble(buffers)
-
-
-def _ct_weight_strategies(qc: dict, cfg_file: str) -> set[str]:
-    """The weight strategies a compressed-tensors config declares, refusing what is not FP8."""
-    fmt = qc.get("format")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise UnknownLayoutError("compressed-tensors config has no config_groups", file=cfg_file,
-                                 field="quantization_config.config_groups")
-    strategies = set()
-    for gname, group in groups.items():
-        gfmt = (group or {}).get("format") or fmt
-        if gfmt != "float-quantized":
-            raise UnknownLayoutError(f"compressed-tensors format {gfmt!r} (group {gname!r}) is not read; te-serial "
-                                     "reads 'float-quantized' FP8", file=cfg_file,
-                                     field=f"quantization_config.config_groups.{gname}")
-        w = (group or {}).get("weights")
-        if not w:
-            continue
-        where = f"quantization_config.config_groups.{gname}.weights"
-        if w.get("type") != "float" or w.get("num_bits") != 8:
-            raise UnknownLayoutError(f"weights are {w.get('type')!r} with {w.get('num_bits')!r} bits; te-serial "
-                                     "reads 8-bit float (FP8 E4M3)", file=cfg_file, field=where)
-        if w.get("symmetric") is False:
-            raise UnknownLayoutError("asymmetric weights (zero points) are not read", file=cfg_file, field=where)
-        if w.get("dynamic") is True:
-            raise UnknownLayoutError("dynamic weight quantization stores no weight scales", file=cfg_file,
-                                     field=where)
-        strategy = w.get("strategy")
-        if strategy not in ("tensor", "channel"):
-            raise UnknownLayoutError(f"weight strategy {strategy!r} is not read (te-serial reads 'tensor' and "
-                                     "'channel')", file=cfg_file, field=where)
-        strategies.add(strategy)
-    return strategies
+        return st.keys["layout"].load(self, st)
 
 
 # --- detection ------------------------------------------------------------------------------------

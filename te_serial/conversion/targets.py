@@ -2,10 +2,12 @@
 
 A target is a te-serial recipe (every entry of :data:`te_serial.recipes.RECIPES`, written as a
 te-serial checkpoint), a plain dtype (``bf16``/``fp16``/``fp32``: a Hugging Face-style
-safetensors checkpoint any HF loader reads), or an inference-engine layout (``deepseek_fp8``,
-``compressed_tensors_fp8``, ``compressed_tensors_fp8_tensor``). Plain dtypes mix with any other
-target (they mean "a plain tensor of that dtype"); te-serial recipes and each engine layout do
-not mix, since they are different file layouts.
+safetensors checkpoint any HF loader reads), or a serving layout: ModelOpt (``modelopt_nvfp4``,
+``modelopt_mxfp8``, ``modelopt_fp8``, ``modelopt_fp8_pb_wo``), compressed-tensors
+(``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp8``, ``compressed_tensors_fp8``,
+``compressed_tensors_fp8_tensor``) or ``deepseek_fp8``. Plain dtypes mix with any other target
+(they mean "a plain tensor of that dtype"); te-serial recipes and each serving layout do not mix,
+since they are different file layouts, and one serving export holds one weight scheme.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ __all__ = ["Target", "KEEP", "TARGETS", "target", "target_names", "Rules", "load
 
 KEEP = "keep"
 
-#: families: "te" (te-serial checkpoint), "plain" (HF safetensors), "deepseek", "ct"
+#: families: "te" (te-serial checkpoint), "plain" (HF safetensors), and the serving layouts
+#: "modelopt", "ct" (compressed-tensors), "deepseek"
 FAMILY_LAYOUT = {"te": "te-serial", "plain": "safetensors", "deepseek": "deepseek_fp8",
-                 "ct": "compressed_tensors_fp8"}
+                 "ct": "compressed-tensors", "modelopt": "ModelOpt"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,9 @@ class Target:
     family: str
     description: str
     dtype: torch.dtype | None = None      # plain targets
-    strategy: str | None = None           # compressed-tensors: "channel" or "tensor"
+    strategy: str | None = None           # compressed-tensors FP8: "channel" or "tensor"
+    scheme: str | None = None             # serving layouts: the weight scheme (layouts/base.py)
+    layout: str | None = None             # serving layouts: the layout's name in reports
 
     def quantizer(self, *, rowwise: bool = True, columnwise: bool = True) -> Quantizer:
         """The weight quantizer of a te-serial recipe target."""
@@ -61,21 +66,48 @@ def _build_targets() -> dict[str, Target]:
     out["fp32"] = Target("fp32", "plain", "plain FP32 (Hugging Face safetensors)", dtype=torch.float32)
     out["deepseek_fp8"] = Target(
         "deepseek_fp8", "deepseek",
-        "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 block")
+        "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 block",
+        scheme="fp8_block", layout="deepseek_fp8")
     out["compressed_tensors_fp8"] = Target(
         "compressed_tensors_fp8", "ct",
         "compressed-tensors float-quantized FP8 E4M3, one weight scale per output channel",
-        strategy="channel")
+        strategy="channel", scheme="fp8_channel", layout="compressed_tensors_fp8")
     out["compressed_tensors_fp8_tensor"] = Target(
         "compressed_tensors_fp8_tensor", "ct",
-        "compressed-tensors float-quantized FP8 E4M3, one weight scale per tensor", strategy="tensor")
+        "compressed-tensors float-quantized FP8 E4M3, one weight scale per tensor", strategy="tensor",
+        scheme="fp8_tensor", layout="compressed_tensors_fp8")
+    out["compressed_tensors_nvfp4"] = Target(
+        "compressed_tensors_nvfp4", "ct",
+        "compressed-tensors nvfp4-pack-quantized: weight_packed, E4M3 weight_scale per 16, "
+        "weight_global_scale = 6*448/amax", scheme="nvfp4", layout="compressed_tensors_nvfp4")
+    out["compressed_tensors_mxfp8"] = Target(
+        "compressed_tensors_mxfp8", "ct",
+        "compressed-tensors mxfp8-quantized: E4M3 weight, E8M0 (U8) weight_scale per 32",
+        scheme="mxfp8", layout="compressed_tensors_mxfp8")
+    out["modelopt_nvfp4"] = Target(
+        "modelopt_nvfp4", "modelopt",
+        "ModelOpt NVFP4 (hf_quant_config.json): U8 weight, E4M3 weight_scale per 16, "
+        "weight_scale_2 = amax/(6*448)", scheme="nvfp4", layout="modelopt_nvfp4")
+    out["modelopt_mxfp8"] = Target(
+        "modelopt_mxfp8", "modelopt", "ModelOpt MXFP8: E4M3 weight, E8M0 (U8) weight_scale per 32",
+        scheme="mxfp8", layout="modelopt_mxfp8")
+    out["modelopt_fp8"] = Target(
+        "modelopt_fp8", "modelopt",
+        "ModelOpt FP8: E4M3 weight, one fp32 weight_scale, static input_scale (needs activation amax)",
+        scheme="fp8_tensor", layout="modelopt_fp8")
+    out["modelopt_fp8_pb_wo"] = Target(
+        "modelopt_fp8_pb_wo", "modelopt",
+        "ModelOpt FP8_PB_WO: E4M3 weight, fp32 weight_scale per 128x128 block, weight-only",
+        scheme="fp8_block", layout="modelopt_fp8_pb_wo")
     return out
 
 
 TARGETS: dict[str, Target] = _build_targets()
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
             "deepseek": "deepseek_fp8", "compressed-tensors": "compressed_tensors_fp8",
-            "ct_fp8": "compressed_tensors_fp8", "ct_fp8_tensor": "compressed_tensors_fp8_tensor"}
+            "ct_fp8": "compressed_tensors_fp8", "ct_fp8_tensor": "compressed_tensors_fp8_tensor",
+            "ct_nvfp4": "compressed_tensors_nvfp4", "ct_mxfp8": "compressed_tensors_mxfp8",
+            "modelopt_fp8_block": "modelopt_fp8_pb_wo"}
 
 
 def target_names() -> list[str]:

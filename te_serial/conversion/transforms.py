@@ -28,7 +28,7 @@ from ..proto import TensorProto
 ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
 
-__all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_keep_external", "execute",
+__all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_external", "plan_keep_external", "execute",
            "values", "usage_view", "compare", "ErrorStats", "deepseek_quantizer", "ct_quantizer"]
 
 _SETTLED = "scale and amax set from this tensor's values"
@@ -209,18 +209,32 @@ def plan_ct(p: Quantizer | None, strategy: str, dtype: torch.dtype, src_dtype: t
     return Step(method, ct_quantizer("channel"), dtype, builder="per_channel")
 
 
+def plan_external(p: Quantizer | None, scheme: str, rep: Quantizer, dtype: torch.dtype, src_dtype: torch.dtype,
+                  uniform_rows: bool) -> Step:
+    """A serving layout's weight scheme (``rep``: its te-serial representation, rowwise) for a
+    source with quantizer ``p``: the exact path when the source's bytes hold the rowwise usage in
+    that layout (directly or derivably), else a requantization of the source's values."""
+    if scheme in ("fp8_channel", "fp8_tensor"):
+        return plan_ct(p, "channel" if scheme == "fp8_channel" else "tensor", dtype, src_dtype, uniform_rows)
+    step = _exact_into(p, rep, src_dtype)
+    if step is not None:
+        return step
+    note = ""
+    if p is not None and p.exact_output(rep) is not None:
+        note = ("the rowwise usage is not derivable from the source's columnwise bytes (quantized along the "
+                "other dim, or Hadamard-transformed): requantized; serving layouts hold the rowwise usage only")
+    return Step("quantize" if p is None else "requantize", rep, dtype, builder="quantize", note=note)
+
+
 def plan_keep_external(family: str, p: Quantizer | None, src_dtype: torch.dtype, dtype: torch.dtype,
-                       strategy: str | None, uniform_rows: bool, shape: tuple[int, ...]) -> Step:
-    """"keep" in a plain, DeepSeek or compressed-tensors checkpoint: the source's own values, in that
-    layout when it holds them exactly, else plain (dequantized to ``dtype``)."""
+                       scheme: str | None, uniform_rows: bool, shape: tuple[int, ...], rep: Quantizer | None = None,
+                       name: str = "weight") -> Step:
+    """"keep" in a plain or serving-layout checkpoint: the source's own values, in that layout when
+    it holds them exactly (2-D ``*.weight`` tensors), else plain (dequantized to ``dtype``)."""
     if p is None:
         return Step("keep", None, src_dtype, exact=True, builder="keep")
-    if len(shape) == 2 and family == "deepseek":
-        step = plan_deepseek(p, dtype, src_dtype)
-        if step.exact:
-            return step
-    if len(shape) == 2 and family == "ct":
-        step = plan_ct(p, strategy, dtype, src_dtype, uniform_rows)
+    if len(shape) == 2 and family != "plain" and scheme is not None and (name == "weight" or name.endswith(".weight")):
+        step = plan_external(p, scheme, rep, dtype, src_dtype, uniform_rows)
         if step.exact and step.builder == "exact":
             return step
     return Step("dequantize", None, dtype, builder="cast")

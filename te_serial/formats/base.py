@@ -307,6 +307,12 @@ class Quantizer:
         """The dtype TE's kernel takes an input of ``dtype`` in (NVFP4's RHT casts to BF16)."""
         return dtype
 
+    def global_scale_divisor(self) -> float | None:
+        """For a two-level format whose second level is the stored tensor amax (``usage_layout(u).amax``):
+        the divisor D in ``value = code × block scale × (amax / D)``. Exporters write the
+        tensor-wide factor in their own layout's convention from it. None: no second level."""
+        return None
+
     def deterministic(self) -> "Quantizer":
         """This quantizer in a mode ``quantize`` reproduces (NVFP4: rounding to nearest)."""
         return self
@@ -678,17 +684,22 @@ def _clone(t: QuantizedTensor, *, memory_format=None) -> QuantizedTensor:
     return t._rebuild({n: b.clone() for n, b in t.buffers().items()})
 
 
+#: nominal dtypes a quantized tensor can be cast to keeping its bytes (``.float()``, ``.half()``,
+#: ``.bfloat16()``, ``.to(dtype)``, ``module.to(dtype)``): only what ``dequantize`` returns changes
+NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _to_copy(t: QuantizedTensor, *, dtype=None, layout=None, device=None, pin_memory=None,
              non_blocking=False, memory_format=None):
-    if dtype is not None and dtype != t.dtype:
-        out = t.dequantize(dtype)
-        return out.to(device=device or out.device, non_blocking=non_blocking)
+    if dtype is not None and dtype != t.dtype and dtype not in NOMINAL_DTYPES:
+        out = t.dequantize()  # an FP8 / integer cast: of the values
+        return out.to(device=device or out.device, dtype=dtype, non_blocking=non_blocking)
     device = torch.device(device) if device is not None else t.device
     moved = {}
     for n, b in t.buffers().items():
         b = b.to(device=device, non_blocking=non_blocking, copy=True)
         moved[n] = b.pin_memory() if pin_memory and device.type == "cpu" else b
-    return t._rebuild(moved)
+    return t._rebuild(moved, fake_dtype=dtype or t.dtype)  # a float cast: same bytes, new nominal dtype
 
 
 def _copy_(dst, src, non_blocking=False):
@@ -715,7 +726,30 @@ def _empty_like(t: QuantizedTensor, *, dtype=None, layout=None, device=None, pin
     return t._rebuild(buffers)
 
 
+def _view(t: QuantizedTensor, size):
+    """``view`` to the tensor's own shape (``DTensor.from_local`` does ``view_as(self)``) is an
+    alias with the same buffers; any other view sees the dequantized values."""
+    size = list(size)
+    if size.count(-1) == 1:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = t.numel() // known if known else 0
+    if tuple(size) == tuple(t.shape):
+        return _detach(t)
+    return _aten.view.default(t.dequantize(), size)
+
+
+def _new_empty(t: QuantizedTensor, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """An uninitialized quantized tensor of the same format when shape and dtype are kept (what
+    checkpoint stagers ask before copying the buffers in); a plain tensor otherwise."""
+    device = torch.device(device) if device is not None else t.device
+    if (dtype is None or dtype == t.dtype) and tuple(size) == tuple(t.shape):
+        return t._rebuild(t.quantizer.alloc_tensors(t.shape, device=device))
+    return torch.empty(size, dtype=dtype or t.dtype, device=device)
+
+
 _DISPATCH = {
+    _aten.view.default: _view,
+    _aten.new_empty.default: _new_empty,
     _aten.detach.default: _detach,
     _aten.alias.default: _detach,
     _aten.clone.default: _clone,

@@ -131,6 +131,9 @@ class NVFP4Quantizer(Quantizer):
     def deterministic(self):
         return dataclasses.replace(self, stochastic_rounding=False)
 
+    def global_scale_divisor(self):
+        return nx.FP4_MAX * E4M3_MAX  # x' = q · s_b · amax / (6 · 448)
+
     def _same_columnwise(self, other: "NVFP4Quantizer") -> bool:
         return self.with_rht == other.with_rht and (not self.with_rht
                                                    or self.with_random_sign_mask == other.with_random_sign_mask)

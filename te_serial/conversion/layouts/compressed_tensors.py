@@ -1,0 +1,248 @@
+"""compressed-tensors (llm-compressor's layout, read by vLLM, SGLang and transformers with
+``quant_method: "compressed-tensors"``).
+
+Per quantized linear ``<m>``, by the group's ``format``:
+
+* ``float-quantized`` (FP8): ``<m>.weight`` F8_E4M3 ``[N, K]`` + ``<m>.weight_scale``
+  (``[N, 1]`` strategy ``channel``, ``[1]`` strategy ``tensor``; value = fp8 · scale); static
+  activations add ``<m>.input_scale`` ``[1]`` = amax / 448.
+* ``nvfp4-pack-quantized``: ``<m>.weight_packed`` U8 ``[N, K/2]`` (element 2i in the low
+  nibble), ``<m>.weight_scale`` F8_E4M3 ``[N, K/16]``, ``<m>.weight_global_scale`` F32 ``[1]`` =
+  1 / (amax / (6 · 448)) — the reciprocal of ModelOpt's ``weight_scale_2``, computed as
+  compressed-tensors' own ModelOpt converter computes it, so converting te-serial's ModelOpt
+  export with that converter gives this export's bytes. W4A4 adds ``<m>.input_global_scale``
+  ``[1]``. A reader's value is ``e2m1 · (float(weight_scale) / weight_global_scale)``.
+* ``mxfp8-quantized``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]``.
+
+``config.json`` ``quantization_config``: one config group targeting ``Linear`` with the weight
+and activation arguments of the scheme, ``ignore`` naming every linear left in high precision.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...errors import UnknownLayoutError
+from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
+from .common import ExternalLayout, sidecar_amax
+from .modelopt import e2m1_values, e4m3_values
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sources import SafetensorsSource
+
+_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "fp8_channel": "float-quantized",
+           "fp8_tensor": "float-quantized"}
+_ACT_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
+                 ".v_scale", ".q_scale", ".input_global_scale")
+
+
+def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=None, observer="minmax"):
+    a = {"num_bits": num_bits, "type": "float", "symmetric": True, "group_size": group_size, "strategy": strategy,
+         "dynamic": dynamic, "actorder": None, "block_structure": None, "observer": observer, "observer_kwargs": {}}
+    if scale_dtype is not None:
+        a["scale_dtype"] = scale_dtype
+    return a
+
+
+class CompressedTensors(ExternalLayout):
+    family = "ct"
+    modes = {
+        "nvfp4": {"weight_only": "NVFP4A16", "static": "NVFP4 (W4A4)"},
+        "mxfp8": {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"},
+        "fp8_channel": {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
+                        "static": "FP8 (W8A8, static per-tensor activation scales)"},
+        "fp8_tensor": {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
+                       "static": "FP8 (W8A8, static per-tensor activation scales)"},
+    }
+
+    def layout_name(self, scheme):
+        return {"nvfp4": "compressed_tensors_nvfp4", "mxfp8": "compressed_tensors_mxfp8"}.get(scheme,
+                                                                                          "compressed_tensors_fp8")
+
+    # --- export -----------------------------------------------------------------------------------
+    def weight_keys(self, name, shape, scheme):
+        n, k = shape
+        p = prefix(name)
+        if scheme == "nvfp4":
+            return [(p + "weight_packed", (n, k // 2), torch.uint8), (p + "weight_scale", (n, k // 16), E4M3),
+                    (p + "weight_global_scale", (1,), F32)]
+        if scheme == "mxfp8":
+            return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
+        return [(name, (n, k), E4M3), (p + "weight_scale", (n, 1) if scheme == "fp8_channel" else (1,), F32)]
+
+    def act_keys(self, name, scheme):
+        key = "input_global_scale" if scheme == "nvfp4" else "input_scale"
+        return [(prefix(name) + key, (1,), F32)]
+
+    def export(self, name, t, scheme):
+        parts = split(t, scheme)
+        p = prefix(name)
+        if scheme == "nvfp4":
+            ws2 = parts.amax.to(F32) / torch.tensor(parts.divisor, dtype=F32)
+            return {p + "weight_packed": parts.data, p + "weight_scale": parts.scale,
+                    p + "weight_global_scale": (1 / ws2).reshape(1)}
+        scale = parts.scale.reshape(1) if scheme == "fp8_tensor" else parts.scale
+        return {name: parts.data, p + "weight_scale": scale}
+
+    def export_act(self, name, scheme, amax):
+        a = torch.tensor(amax, dtype=F32)
+        if scheme == "nvfp4":
+            return {prefix(name) + "input_global_scale": (1 / (a / torch.tensor(448.0 * 6.0, dtype=F32))).reshape(1)}
+        return {prefix(name) + "input_scale": (a / torch.tensor(448.0, dtype=F32)).reshape(1)}
+
+    def reader(self, scheme, blobs, name):
+        if scheme != "nvfp4":
+            return None
+        gs = blobs[prefix(name) + "weight_global_scale"].to(F32).reshape(())
+        table = e2m1_values()
+        return lambda codes, scales: table[codes.long()] * (e4m3_values(scales) / gs)
+
+    def quantization_config(self, scheme, mode, ignored):
+        fmt = _FORMAT[scheme]
+        if scheme == "nvfp4":
+            w = _args(4, "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
+            act = (_args(4, "tensor_group", group_size=16, dynamic="local", scale_dtype="torch.float8_e4m3fn",
+                         observer="static_minmax") if mode == "static" else None)
+        elif scheme == "mxfp8":
+            w = _args(8, "group", group_size=32, scale_dtype="torch.uint8")
+            act = (_args(8, "group", group_size=32, dynamic=True, scale_dtype="torch.uint8", observer=None)
+                   if mode == "dynamic" else None)
+        else:
+            w = _args(8, "channel" if scheme == "fp8_channel" else "tensor")
+            act = {"dynamic": _args(8, "token", dynamic=True, observer=None),
+                   "static": _args(8, "tensor", observer="static_minmax")}.get(mode)
+        group = {"targets": ["Linear"], "weights": w, "input_activations": act, "output_activations": None,
+                 "format": fmt}
+        return {"config_groups": {"group_0": group}, "format": fmt, "ignore": list(ignored), "kv_cache_scheme": None,
+                "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+    # --- import -------------------------------------------------------------------------------------
+    def claim(self, src: "SafetensorsSource") -> None:
+        allowed = src.ct_schemes  # None: no config to check against
+        keyset = set(src._where)
+        for k in list(src._where):
+            if not k.endswith(".weight_scale"):
+                continue
+            p = k[: -len("weight_scale")]
+            w, packed = p + "weight", p + "weight_packed"
+            sd, ss, sb = src._info(k)
+            if packed in keyset:
+                g = p + "weight_global_scale"
+                pd, ps, pb = src._info(packed)
+                if g not in keyset or pd != torch.uint8 or sd != E4M3 or len(ps) != 2 \
+                        or ss != (ps[0], ps[1] * 2 // 16) or math.prod(src._info(g)[1]) != 1:
+                    src._fail(f"NVFP4 weight_packed {pd}{list(ps)} with weight_scale {sd}{list(ss)}: expected U8 "
+                              "[N, K/2], F8_E4M3 [N, K/16] and a one-element weight_global_scale", k)
+                keys = {"weight": packed, "scale": k, "glob": g, "scheme": "nvfp4"}
+                shape, nbytes = (ps[0], ps[1] * 2), pb + sb + src._info(g)[2]
+                w = packed
+                name = p + "weight"
+            elif w in keyset:
+                wd, ws, wb = src._info(w)
+                if wd != E4M3 or len(ws) != 2:
+                    src._fail(f"compressed-tensors FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
+                m, kk = ws
+                if sd == torch.uint8:
+                    if ss != (m, kk // 32):
+                        src._fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
+                    scheme = "mxfp8"
+                elif sd not in (F32, torch.bfloat16, torch.float16):
+                    src._fail(f"weight_scale must be a float tensor, got {sd}", k)
+                elif math.prod(ss) == 1 and len(ss) <= 2:
+                    scheme = "fp8_tensor"
+                elif ss in ((m, 1), (m,)):
+                    scheme = "fp8_channel"
+                else:
+                    src._fail(f"weight_scale {list(ss)} for a weight {list(ws)} is neither per-tensor [1] nor "
+                              "per-channel [out, 1] (group and block strategies are not read)", k)
+                keys = {"weight": w, "scale": k, "scheme": scheme}
+                shape, nbytes, name = tuple(ws), wb + sb, w
+            else:
+                src._fail(f"scale tensor has no weight next to it (expected {w!r}, compressed-tensors naming)", k)
+            scheme = keys["scheme"]
+            if allowed is not None and scheme not in allowed:
+                src._fail(f"weight_scale {list(ss)} means {scheme}, but config.json's config_groups declare "
+                          f"{sorted(allowed)}", k)
+            zp = p + "weight_zero_point"
+            if zp in keyset:
+                keys["zero_point"] = zp
+            src.add_quantized(name, shape, keys, nbytes, self, consumed=[w, k, keys.get("glob"), keys.get("zero_point")],
+                              uniform_rows=scheme == "fp8_channel", fmt="ct_" + scheme)
+            for suffix, to_amax in (("input_scale", lambda v: float(v) * 448.0),
+                                    ("input_global_scale", lambda v: 448.0 * 6.0 / float(v))):
+                if p + suffix in keyset:
+                    src.add_activation(module_of(name), p + suffix, to_amax)
+        for k in list(src._where):
+            if k.endswith(_ACT_SUFFIXES) and k not in src.consumed:
+                src.drop(k, "compressed-tensors activation/KV-cache parameter, not a weight")
+
+    def load(self, src, st):
+        keys, scheme = st.keys, st.keys["scheme"]
+        data, scale = src._read(keys["weight"]), src._read(keys["scale"])
+        zp = keys.get("zero_point")
+        if zp is not None and bool((src._read(zp).float() != 0).any()):
+            src._fail("nonzero weight_zero_point: asymmetric quantization is not a layout te-serial reads", zp)
+        amax = None
+        if scheme == "nvfp4":
+            gs = src._read(keys["glob"]).to(F32).reshape(())
+            div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
+            fwd = lambda a: 1 / (a / div)  # noqa: E731 - the reciprocal of ModelOpt's amax / (6 · 448)
+            amax = sidecar_amax(src.sidecar.get(st.name))
+            if amax is None or not torch.equal(fwd(amax).view(torch.int32), gs.view(torch.int32)):
+                amax, _ = solve_amax(gs, fwd, div / gs)
+        elif scheme == "fp8_channel":
+            scale = scale.reshape(-1, 1)
+        t = self.finish_load(src, st, data, scale.float() if scale.dtype in (torch.bfloat16, torch.float16) else scale,
+                             amax)
+        if scheme == "nvfp4":
+            src.import_checks[st.name] = codes_check(
+                t, self.reader(scheme, {prefix(st.name) + "weight_global_scale": src._read(keys["glob"])}, st.name))
+        return t
+
+
+def ct_schemes(qc: dict, cfg_file: str) -> set[str]:
+    """The weight schemes a compressed-tensors config declares, refusing what te-serial does not read."""
+    fmt = qc.get("format")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise UnknownLayoutError("compressed-tensors config has no config_groups", file=cfg_file,
+                                 field="quantization_config.config_groups")
+    out: set[str] = set()
+    for gname, group in groups.items():
+        group = group or {}
+        gfmt = group.get("format") or fmt
+        where = f"quantization_config.config_groups.{gname}"
+        if gfmt not in ("float-quantized", "nvfp4-pack-quantized", "mxfp8-quantized"):
+            raise UnknownLayoutError(f"compressed-tensors format {gfmt!r} (group {gname!r}) is not read; te-serial reads "
+                                     "'float-quantized' FP8, 'nvfp4-pack-quantized' and 'mxfp8-quantized'",
+                                     file=cfg_file, field=where)
+        w = group.get("weights")
+        if not w:
+            continue
+        where += ".weights"
+        if w.get("symmetric") is False:
+            raise UnknownLayoutError("asymmetric weights (zero points) are not read", file=cfg_file, field=where)
+        if w.get("dynamic") is True:
+            raise UnknownLayoutError("dynamic weight quantization stores no weight scales", file=cfg_file, field=where)
+        bits, strategy = w.get("num_bits"), w.get("strategy")
+        if w.get("type") != "float" or bits not in (4, 8):
+            raise UnknownLayoutError(f"weights are {w.get('type')!r} with {bits!r} bits; te-serial reads 8-bit float "
+                                     "(FP8 E4M3, MXFP8) and 4-bit float (NVFP4)", file=cfg_file, field=where)
+        if gfmt == "nvfp4-pack-quantized":
+            if bits != 4 or w.get("group_size") != 16:
+                raise UnknownLayoutError("NVFP4 weights are 4-bit floats in groups of 16", file=cfg_file, field=where)
+            out.add("nvfp4")
+        elif gfmt == "mxfp8-quantized":
+            if bits != 8 or w.get("group_size") != 32:
+                raise UnknownLayoutError("MXFP8 weights are 8-bit floats in groups of 32", file=cfg_file, field=where)
+            out.add("mxfp8")
+        else:
+            if bits != 8 or strategy not in ("tensor", "channel"):
+                raise UnknownLayoutError(f"weight strategy {strategy!r} is not read (te-serial reads 'tensor' and "
+                                         "'channel')", file=cfg_file, field=where)
+            out.add("fp8_" + strategy)
+    return out
+

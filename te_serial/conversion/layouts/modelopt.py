@@ -1,0 +1,188 @@
+"""NVIDIA ModelOpt's Hugging Face layout (what ``modelopt.torch.export.export_hf_checkpoint``
+writes and vLLM / SGLang / TensorRT-LLM read with ``quant_method: "modelopt"``).
+
+Per quantized linear ``<m>`` (``hf_quant_config.json`` ``quant_algo``):
+
+* ``NVFP4`` / ``W4A16_NVFP4``: ``<m>.weight`` U8 ``[N, K/2]`` (E2M1, element 2i in the low
+  nibble), ``<m>.weight_scale`` F8_E4M3 ``[N, K/16]`` (unpadded, unswizzled),
+  ``<m>.weight_scale_2`` F32 scalar = amax / (6 · 448); with NVFP4 activations
+  ``<m>.input_scale`` F32 scalar = activation amax / (6 · 448). A reader's value is
+  ``e2m1 · (float(weight_scale) · weight_scale_2)``.
+* ``MXFP8``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]`` (E8M0
+  exponents); activations are MXFP8-quantized at run time.
+* ``FP8``: ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 scalar (value = fp8 · scale),
+  ``<m>.input_scale`` F32 scalar = activation amax / 448 (static, required).
+* ``FP8_PB_WO``: ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 ``[⌈N/128⌉, ⌈K/128⌉]``, weight
+  only.
+
+``hf_quant_config.json`` = ``{"producer": …, "quantization": {"quant_algo", "kv_cache_quant_algo",
+"group_size", "exclude_modules"}}``; ``config.json`` carries the same as ``quantization_config``
+with ``quant_method: "modelopt"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ... import numerics as nx
+from ..._version import __version__
+from ...errors import UnknownLayoutError
+from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
+from .common import ExternalLayout, sidecar_amax
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sources import SafetensorsSource
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+_NAMES = {"nvfp4": "modelopt_nvfp4", "mxfp8": "modelopt_mxfp8", "fp8_tensor": "modelopt_fp8",
+          "fp8_block": "modelopt_fp8_pb_wo"}
+_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8", "FP8": "fp8_tensor", "FP8_PB_WO": "fp8_block"}
+_GROUP = {"nvfp4": 16, "mxfp8": 32}
+_E4M3_MAX = 448.0
+
+
+def e2m1_values() -> torch.Tensor:
+    """E2M1 code → value (sign in bit 3), as ModelOpt and compressed-tensors decode it."""
+    mags = torch.tensor(nx.FP4_E2M1_VALUES, dtype=F32)
+    return torch.cat([mags, -mags])
+
+
+def e4m3_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+    return scale_bytes.contiguous().view(E4M3).to(F32)
+
+
+class ModelOpt(ExternalLayout):
+    family = "modelopt"
+    modes = {"nvfp4": {"weight_only": "W4A16_NVFP4", "static": "NVFP4"},
+             "mxfp8": {"dynamic": "MXFP8"},
+             "fp8_tensor": {"static": "FP8"},
+             "fp8_block": {"weight_only": "FP8_PB_WO"}}
+    extra_file_names = (HF_QUANT_CONFIG,)
+
+    def layout_name(self, scheme):
+        return _NAMES.get(scheme, "modelopt")
+
+    # --- export -----------------------------------------------------------------------------------
+    def weight_keys(self, name, shape, scheme):
+        n, k = shape
+        p = prefix(name)
+        if scheme == "nvfp4":
+            return [(name, (n, k // 2), torch.uint8), (p + "weight_scale", (n, k // 16), E4M3),
+                    (p + "weight_scale_2", (), F32)]
+        if scheme == "mxfp8":
+            return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
+        if scheme == "fp8_tensor":
+            return [(name, (n, k), E4M3), (p + "weight_scale", (), F32)]
+        return [(name, (n, k), E4M3), (p + "weight_scale", (nx.ceil_div(n, 128), nx.ceil_div(k, 128)), F32)]
+
+    def act_keys(self, name, scheme):
+        return [(prefix(name) + "input_scale", (), F32)]
+
+    def export(self, name, t, scheme):
+        parts = split(t, scheme)
+        p = prefix(name)
+        out = {name: parts.data, p + "weight_scale": parts.scale}
+        if scheme == "nvfp4":
+            out[p + "weight_scale_2"] = (parts.amax.to(F32) / torch.tensor(parts.divisor, dtype=F32)).reshape(())
+        return out
+
+    def export_act(self, name, scheme, amax):
+        div = _E4M3_MAX * nx.FP4_MAX if scheme == "nvfp4" else _E4M3_MAX
+        return {prefix(name) + "input_scale": (torch.tensor(amax, dtype=F32) / torch.tensor(div, dtype=F32)).reshape(())}
+
+    def reader(self, scheme, blobs, name):
+        if scheme != "nvfp4":
+            return None
+        ws2 = blobs[prefix(name) + "weight_scale_2"].to(F32).reshape(())
+        table = e2m1_values()
+        return lambda codes, scales: table[codes.long()] * (e4m3_values(scales) * ws2)
+
+    def _body(self, scheme, mode, ignored):
+        q = {"quant_algo": self.modes[scheme][mode], "kv_cache_quant_algo": None, "exclude_modules": list(ignored)}
+        if scheme in _GROUP:
+            q["group_size"] = _GROUP[scheme]
+        return q
+
+    def quantization_config(self, scheme, mode, ignored):
+        return {"quant_method": "modelopt", **self._body(scheme, mode, ignored),
+                "producer": {"name": "te-serial", "version": __version__}}
+
+    def extra_files(self, scheme, mode, ignored):
+        return {HF_QUANT_CONFIG: {"producer": {"name": "te-serial", "version": __version__},
+                                  "quantization": self._body(scheme, mode, ignored)}}
+
+    # --- import -------------------------------------------------------------------------------------
+    def claim(self, src: "SafetensorsSource") -> None:
+        algo = src.modelopt_algo  # None: no config file said (the tensors' names and dtypes do)
+        if algo is not None and algo not in _ALGOS:
+            raise UnknownLayoutError(f"ModelOpt quant_algo {algo!r} is not read (te-serial reads "
+                                     f"{', '.join(_ALGOS)})", file=src.config_file, field="quant_algo")
+        keyset = set(src._where)
+        for k in list(src._where):
+            if not k.endswith(".weight_scale"):
+                continue
+            w = k[: -len("_scale")]
+            if w not in keyset:
+                src._fail(f"scale tensor has no weight next to it (expected {w!r}, ModelOpt naming)", k)
+            p = prefix(w)
+            wd, ws, wb = src._info(w)
+            sd, ss, sb = src._info(k)
+            keys = {"weight": w, "scale": k, "scheme": None}
+            nbytes = wb + sb
+            if wd == torch.uint8 and sd == E4M3:
+                g = p + "weight_scale_2"
+                if g not in keyset:
+                    src._fail("NVFP4 weight without weight_scale_2 (its global scale)", w)
+                n, kh = ws
+                if len(ws) != 2 or ss != (n, kh * 2 // 16) or math.prod(src._info(g)[1]) != 1:
+                    src._fail(f"NVFP4 weight {list(ws)} with weight_scale {list(ss)}: expected [N, K/2] and "
+                              "[N, K/16] and a scalar weight_scale_2", k)
+                keys.update(scheme="nvfp4", glob=g)
+                nbytes += src._info(g)[2]
+                shape = (n, kh * 2)
+            elif wd == E4M3 and sd == torch.uint8:
+                n, kk = ws
+                if ss != (n, kk // 32):
+                    src._fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
+                keys["scheme"], shape = "mxfp8", tuple(ws)
+            elif wd == E4M3 and sd == F32 and math.prod(ss) == 1:
+                keys["scheme"], shape = "fp8_tensor", tuple(ws)
+            elif wd == E4M3 and sd == F32 and len(ws) == 2 and ss == (nx.ceil_div(ws[0], 128), nx.ceil_div(ws[1], 128)):
+                keys["scheme"], shape = "fp8_block", tuple(ws)
+            else:
+                src._fail(f"ModelOpt weight {w!r} is {wd}{list(ws)} with weight_scale {sd}{list(ss)}: not NVFP4, "
+                          "MXFP8, FP8 or FP8_PB_WO as ModelOpt writes them", k)
+            src.add_quantized(w, shape, keys, nbytes, self)
+            inp = p + "input_scale"
+            if inp in keyset:
+                div = _E4M3_MAX * nx.FP4_MAX if keys["scheme"] == "nvfp4" else _E4M3_MAX
+                src.add_activation(module_of(w), inp, lambda v, d=div: float(v) * d)
+
+    def load(self, src, st):
+        keys, scheme = st.keys, st.keys["scheme"]
+        data, scale = src._read(keys["weight"]), src._read(keys["scale"])
+        amax = None
+        if scheme == "nvfp4":
+            ws2 = src._read(keys["glob"]).to(F32).reshape(())
+            div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
+            fwd = lambda a: a / div  # noqa: E731 - ModelOpt: weight_scale_2 = amax / (6 · 448)
+            amax = sidecar_amax(src.sidecar.get(st.name))
+            if amax is None or not torch.equal(fwd(amax).view(torch.int32), ws2.view(torch.int32)):
+                amax, _ = solve_amax(ws2, fwd, ws2 * div)
+        t = self.finish_load(src, st, data, scale, amax)
+        if scheme == "nvfp4":
+            src.import_checks[st.name] = codes_check(t, self.reader(scheme, {prefix(st.name) + "weight_scale_2":
+                                                                             src._read(keys["glob"])}, st.name))
+        return t
+
+
+def read_hf_quant_config(path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
