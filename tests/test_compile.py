@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import te_serial as ts
-from conftest import same_bits
+from helpers import same_bits
 
 QUANTIZERS = [
     ts.Float8CurrentScalingQuantizer(),
