@@ -395,22 +395,25 @@ class Manifest:
 
     # --- decoding and validation ----------------------------------------------------------------
     @staticmethod
-    def from_bytes(data: bytes, *, source: str, strict: bool = True) -> "Manifest":
-        """Decode and validate; raises :class:`ManifestError` naming ``source`` on any flaw."""
+    def from_bytes(data: bytes, *, source: str, strict: bool = True, file_bytes: int | None = None) -> "Manifest":
+        """Decode and validate; raises :class:`ManifestError` naming ``source`` on any flaw.
+
+        ``file_bytes``: the size of the file carrying a single-file manifest (a directory's
+        manifest lists its files' sizes): no buffer may need more bytes than the files hold."""
         # Decoding creates many small objects at once; a cyclic-GC pass in the middle of it
         # (likelier the more objects the process holds) would cost more than the decode.
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return _Decoder(source, strict).decode(data)
+            return _Decoder(source, strict, file_bytes).decode(data)
         finally:
             if enabled:
                 gc.enable()
 
 
 class _Decoder:
-    def __init__(self, source: str, strict: bool) -> None:
-        self.source, self.strict = source, strict
+    def __init__(self, source: str, strict: bool, file_bytes: int | None = None) -> None:
+        self.source, self.strict, self.file_bytes = source, strict, file_bytes
 
     def fail(self, message: str, *, tensor: str | None = None, field: str | None = None):
         raise ManifestError(message, file=self.source, tensor=tensor, field=field)
@@ -446,6 +449,8 @@ class _Decoder:
             if f["name"] in files:
                 self.fail(f"file {f['name']!r} listed twice", field="files")
             files[f["name"]] = f["size"]
+        if files:
+            self.file_bytes = sum(files.values())
         bad_quantizers: dict[int, str] = {}
         quantizers: list[Quantizer | None] = []
         for i, qd in enumerate(doc["quantizers"]):
@@ -649,6 +654,11 @@ class _Decoder:
                     if resolve_storage(storage) not in (q.tensor_class, q.storage_class):
                         raise ManifestError(f"storage {storage!r} does not hold {q.kind} tensors")
                 want = expected_buffers(proto)
+                if self.file_bytes is not None:
+                    for b, (s, dt) in want.items():
+                        if math.prod(s) * dt.itemsize > self.file_bytes:
+                            raise ManifestError(f"buffer {b} of shape {list(s)} needs more bytes than the "
+                                                f"checkpoint's files hold ({self.file_bytes})")
                 got = [(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"])) for b in d["buffers"]]
                 expect = [(name, s, dt) for name, (s, dt) in want.items()]
                 if got != expect:

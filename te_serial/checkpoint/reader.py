@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import gc
-import math
 import os
 import stat
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..dtypes import safetensors_code
 from ..errors import ChecksumError, CheckpointError, CheckpointFileError, ManifestError, TensorMismatchError
 from ..errors import ShapeError
 from ..formats.base import QuantizedTensorStorage, flatten_2d
-from ..formats.slicing import _bounds, box_to_range, buffer_regions, region_views, slice_from_regions, storage_view
+from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import SafetensorsFile, checksum, open_regular
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
@@ -73,7 +72,8 @@ class Checkpoint:
         if self.path.is_dir():
             self.root = self.path
             self.manifest = Manifest.from_bytes(self._read_manifest(self.path / MANIFEST_NAME),
-                                                source=str(self.path / MANIFEST_NAME), strict=strict)
+                                                source=str(self.path / MANIFEST_NAME), strict=strict,
+                                                file_bytes=0)  # plus the sizes its files list
             self._check_file_sizes()
         elif self.path.exists():
             self.root = self.path.parent
@@ -86,7 +86,7 @@ class Checkpoint:
                 data = base64.b64decode(f.metadata[HEADER_KEY], validate=True)
             except (binascii.Error, ValueError) as e:
                 raise ManifestError(f"manifest in header is not base64: {e}", file=str(self.path)) from None
-            self.manifest = Manifest.from_bytes(data, source=str(self.path), strict=strict)
+            self.manifest = Manifest.from_bytes(data, source=str(self.path), strict=strict, file_bytes=f.size)
             if self.manifest.files:
                 raise ManifestError("a single-file checkpoint must not list other files", file=str(self.path),
                                     field="files")
@@ -236,7 +236,7 @@ class Checkpoint:
             out = proto.create_tensor(device="meta")
         else:
             if self.manifest.chunks and self.manifest.is_chunked(name):
-                raw = self._assemble(name, verify)
+                raw = self._assemble(name, verify, mmap)
             else:
                 raw = {b: self._read_buffer(name, b, f, k, c, verify, mmap) for b, f, k, _, _, c in where}
             if proto.quantizer is not None:
@@ -293,12 +293,12 @@ class Checkpoint:
                                     [StoredPiece(f, k, storage_view(shape, view), (0,) * len(view), view, c)]))
         return out
 
-    def _piece_data(self, tname: str, bname: str, pc: StoredPiece, verify: bool) -> torch.Tensor:
-        """A whole stored piece (a view of the file's mmap), checked against its checksum if asked."""
-        t = self._read_buffer(tname, bname, pc.file, pc.key, pc.checksum, verify)
+    def _piece_data(self, tname: str, bname: str, pc: StoredPiece, verify: bool, mmap: bool = True) -> torch.Tensor:
+        """A whole stored piece (a view of the file's mmap, or fresh memory), checked if asked."""
+        t = self._read_buffer(tname, bname, pc.file, pc.key, pc.checksum, verify, mmap)
         return t.reshape(pc.array)
 
-    def _assemble(self, name: str, verify: bool) -> dict[str, torch.Tensor]:
+    def _assemble(self, name: str, verify: bool, mmap: bool = True) -> dict[str, torch.Tensor]:
         """A chunked tensor's buffers (stored dtypes), built from its pieces; padding zero."""
         out = {}
         for buf in self.pieces(name):
@@ -308,7 +308,7 @@ class Checkpoint:
             t = t.view(buf.dtype).reshape(full)
             region = t[tuple(slice(0, v) for v in buf.view)]
             for pc in buf.pieces:
-                piece = self._piece_data(name, buf.name, pc, verify)
+                piece = self._piece_data(name, buf.name, pc, verify, mmap)
                 _narrow(region, pc.offsets, pc.sizes).copy_(_narrow(piece, (0,) * len(pc.sizes), pc.sizes))
             out[buf.name] = t.reshape(buf.shape)
         return out

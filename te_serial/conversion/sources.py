@@ -40,11 +40,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointFileError, ShapeError, UnknownLayoutError
+from ..errors import CheckpointError, CheckpointFileError, ManifestError, ShapeError, UnknownLayoutError
 from ..proto import TensorProto
 from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
+from ..checkpoint.writer import SHARD_NAME
+from ..formats import STORAGE_REGISTRY
 from .layouts import FAMILIES as LAYOUT_FAMILIES
 from .layouts.common import SIDECAR_NAME, read_sidecar
 from .layouts.compressed_tensors import ct_schemes
@@ -437,11 +439,20 @@ def _read_json(path: Path) -> dict:
 
 
 def _has_manifest(path: Path) -> bool:
+    """True for a single-file te-serial checkpoint. A file whose keys are te-serial buffer keys but
+    whose manifest is gone is refused as load_quantized refuses it (it is no plain safetensors)."""
     try:
         with SafetensorsFile(path, follow_symlinks=True) as f:
-            return HEADER_KEY in f.metadata
+            if HEADER_KEY in f.metadata:
+                return True
+            keys = f.keys()
     except CheckpointError:
         return False
+    buffers = {b for cls in STORAGE_REGISTRY.values() for b in cls.BUFFERS}
+    if any(k.rsplit(".", 1)[-1] in buffers for k in keys if "." in k):
+        raise ManifestError("safetensors file has no te-serial manifest in its header, but its keys are a "
+                            "te-serial checkpoint's buffers (the manifest is lost)", file=str(path))
+    return False
 
 
 def _locate(path: Path) -> tuple[str, list[Path], dict[str, Path] | None, Path | None]:
@@ -466,6 +477,8 @@ def _locate(path: Path) -> tuple[str, list[Path], dict[str, Path] | None, Path |
     if (path / INDEX_NAME).is_file():
         return _from_index(path / INDEX_NAME)
     shards = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
+    if any(SHARD_NAME.fullmatch(p.name) for p in shards):  # te-serial's shards, its manifest lost
+        raise ManifestError(f"no {MANIFEST_NAME} in checkpoint directory", file=str(path))
     cfg = path / CONFIG_NAME
     cfg = cfg if cfg.is_file() else None
     if len(shards) == 1:
