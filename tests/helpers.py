@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import formats as tsf
 
 INPUT_KINDS = ("random", "zeros", "tiny", "outliers", "specials")
 
@@ -77,7 +78,7 @@ def assert_same_tensor(got, want, name: str = "") -> None:
     """Same class, shape, nominal dtype and bytes; for quantized tensors also quantizer and buffers."""
     assert type(got) is type(want), name
     assert got.shape == want.shape and got.dtype == want.dtype, name
-    if isinstance(want, ts.QuantizedTensorStorage):
+    if isinstance(want, tsf.QuantizedTensorStorage):
         assert got.quantizer == want.quantizer, name
         assert list(got.buffers()) == list(want.buffers()), name
         for n, b in want.buffers().items():

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from te_serial.checkpoint.tree import unpack
 from helpers import E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input
 
@@ -160,7 +162,7 @@ def test_lazy_open_reads_only_what_is_asked(tmp_path, monkeypatch):
         sub = h.load_tensors(["w1", "w5"])
         assert set(sub) == {"w1", "w5"} and {t for t, _ in read} == {"w1", "w3", "w5"}
         meta = h.get("w2", device="meta")
-        assert meta.device.type == "meta" and isinstance(meta, ts.MXFP8Tensor)
+        assert meta.device.type == "meta" and isinstance(meta, tsf.MXFP8Tensor)
         with pytest.raises(ts.CheckpointError, match="no tensor 'nope'"):
             h.get("nope")
     assert ts.read_protos(path) == protos
@@ -213,24 +215,24 @@ def test_no_checksums_option_and_verify_refuses(tmp_path):
     path = tmp_path / "n.safetensors"
     ts.save_quantized({"a": torch.ones(3)}, path, checksums=False)
     assert torch.equal(ts.load_quantized(path)["a"], torch.ones(3))
-    with pytest.raises(ts.ChecksumError, match="without checksums"):
+    with pytest.raises(tse.ChecksumError, match="without checksums"):
         ts.verify(path)
 
 
 @pytest.mark.parametrize("bad", [{"x": object()}, {"x": torch.float32}, {1.5: torch.ones(1)},
                                  {"x": {"y": lambda: 0}}, [torch.ones(1)]])
 def test_unsupported_values_are_refused_with_their_path(tmp_path, bad):
-    with pytest.raises(ts.UnsupportedValueError):
+    with pytest.raises(tse.UnsupportedValueError):
         ts.save_quantized(bad, tmp_path / "u")
     assert not (tmp_path / "u" / "te_serial.msgpack").exists()
 
 
 def test_name_collisions_and_bad_options(tmp_path):
-    with pytest.raises(ts.UnsupportedValueError, match="a.b"):
+    with pytest.raises(tse.UnsupportedValueError, match="a.b"):
         ts.save_quantized({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "c")
     with pytest.raises(ts.CheckpointError, match="max_shard_size"):
         ts.save_quantized({"a": torch.ones(1)}, tmp_path / "c", max_shard_size="lots")
-    with pytest.raises(ts.UnsupportedValueError, match="metadata"):
+    with pytest.raises(tse.UnsupportedValueError, match="metadata"):
         ts.save_quantized({"a": torch.ones(1)}, tmp_path / "c", metadata={"k": 1})
     assert ts.checkpoint.parse_size("5GB") == 5 * 10**9 and ts.checkpoint.parse_size("2MiB") == 2 << 20
 
@@ -260,9 +262,9 @@ def test_streaming_writer_writes_planned_shards_and_commits_at_close(tmp_path):
         # shards already on disk under temporary names, yet the old checkpoint is what loads
         assert len(list(path.glob(".te_serial-tmp-*"))) >= 2
         assert list(ts.load_quantized(path)) == ["old"]
-        with pytest.raises(ts.UnsupportedValueError, match="written twice"):
+        with pytest.raises(tse.UnsupportedValueError, match="written twice"):
             w.write("w0", tensors["w0"])
-        with pytest.raises(ts.UnsupportedValueError, match="not in the writer's plan"):
+        with pytest.raises(tse.UnsupportedValueError, match="not in the writer's plan"):
             w.write("other", tensors["w0"])
     out = ts.load_quantized(path, verify=True)
     assert list(out) == list(tensors)
@@ -274,7 +276,7 @@ def test_streaming_writer_writes_planned_shards_and_commits_at_close(tmp_path):
 def test_writer_refuses_a_tensor_unlike_its_prototype_and_an_unwritten_plan(tmp_path):
     from te_serial.checkpoint import CheckpointWriter
     protos = {"a": ts.to_tensor_proto(torch.zeros(4)), "b": ts.to_tensor_proto(torch.zeros(2))}
-    with pytest.raises(ts.UnsupportedValueError, match="planned prototype"):
+    with pytest.raises(tse.UnsupportedValueError, match="planned prototype"):
         with CheckpointWriter(tmp_path / "x", protos) as w:
             w.write("a", torch.zeros(5))
     with pytest.raises(ts.CheckpointError, match="never written"):

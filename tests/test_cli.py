@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import te_serial as ts
+from te_serial import formats as tsf
 
 from _convert_data import deepseek_checkpoint, plain_state_dict, randn
 
@@ -137,7 +138,7 @@ def test_convert_with_progress_and_report(cli):
     assert rep.target_layout == "te-serial" and len(rep.lossy) == 2
     assert len(list((d / "out").glob("model-*.safetensors"))) > 1
     loaded = ts.load_quantized(d / "out")
-    assert isinstance(loaded["model.layers.0.mlp.up_proj.weight"], ts.MXFP8Tensor)
+    assert isinstance(loaded["model.layers.0.mlp.up_proj.weight"], tsf.MXFP8Tensor)
     q = r["convert_rules"]
     assert q.returncode == 0 and len(q.stdout.strip().splitlines()) == 1 and "lossy" in q.stdout
     out = ts.load_quantized(d / "out_rules")

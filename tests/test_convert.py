@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from te_serial.errors import ConversionError
 from te_serial.recipes import RECIPES, recipe_quantizer
 
@@ -64,7 +66,7 @@ def _te_source_dict(recipe: str) -> dict:
             q = recipe_quantizer(recipe)
             try:
                 q.check_shape(tuple(t.shape))
-            except ts.ShapeError:
+            except tse.ShapeError:
                 out[name] = t
                 continue
             out[name] = q(t)
@@ -75,7 +77,7 @@ def _te_source_dict(recipe: str) -> dict:
 
 
 def _usage_values(t) -> dict[str, torch.Tensor]:
-    if isinstance(t, ts.QuantizedTensor):
+    if isinstance(t, tsf.QuantizedTensor):
         return {u: tc.values(t, u) for u in ("rowwise", "columnwise") if getattr(t.quantizer, u)}
     return {"plain": t.float()}
 
@@ -88,7 +90,7 @@ def sources(tmp_path_factory):
         path = root / f"te-{recipe}"
         ts.save_quantized(_te_source_dict(recipe), path)
         loaded = ts.load_quantized(path)
-        fmts = {n: (recipe if isinstance(t, ts.QuantizedTensor) else "plain") for n, t in loaded.items()}
+        fmts = {n: (recipe if isinstance(t, tsf.QuantizedTensor) else "plain") for n, t in loaded.items()}
         out[f"te:{recipe}"] = (path, {n: _usage_values(t) for n, t in loaded.items()}, fmts)
     sd = plain_state_dict()
     (root / "plain").mkdir()
@@ -112,7 +114,7 @@ def _read_output(dst: Path, family: str) -> tuple[dict[str, dict[str, torch.Tens
     """name → usage → fp32 values, and name → bytes, read back without te_serial.convert."""
     if family == "te-serial":
         loaded = ts.load_quantized(dst)
-        nbytes = {n: (t.quantized_nbytes() if isinstance(t, ts.QuantizedTensor) else t.numel() * t.element_size())
+        nbytes = {n: (t.quantized_nbytes() if isinstance(t, tsf.QuantizedTensor) else t.numel() * t.element_size())
                   for n, t in loaded.items()}
         return {n: _usage_values(t) for n, t in loaded.items()}, nbytes
     raw: dict[str, torch.Tensor] = {}
@@ -331,7 +333,7 @@ def test_same_recipe_is_byte_identical(tmp_path):
     assert rep.lossless
     a, b = ts.load_quantized(tmp_path / "a"), ts.load_quantized(tmp_path / "b")
     for n, t in a.items():
-        if isinstance(t, ts.QuantizedTensor):
+        if isinstance(t, tsf.QuantizedTensor):
             assert b[n].quantizer == t.quantizer
             for k, v in t.buffers().items():
                 assert torch.equal(b[n].buffers()[k], v), (n, k)
@@ -421,7 +423,7 @@ def test_failure_leaves_no_partial_output(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x55  # the last buffer's bytes no longer match their checksum
     shard.write_bytes(bytes(data))
-    with pytest.raises(ts.ChecksumError):
+    with pytest.raises(tse.ChecksumError):
         tc.convert(tmp_path / "src", tmp_path / "dst", recipe="fp8_block", max_shard_size="10KB")
     assert not any((tmp_path / "dst").iterdir())
 

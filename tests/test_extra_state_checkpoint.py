@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 import te_shim
 from te_serial.te_extra_state import decode_te_extra_state, encode_te_extra_state
 
@@ -43,7 +45,7 @@ def test_delayed_scaling_extra_state_round_trips_without_pickle(tmp_path, monkey
     for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
         assert torch.equal(got[k], want[k])
     assert out["fc2._extra_state"].dtype == torch.uint8 and out["fc2._extra_state"].numel() == 0
-    assert isinstance(out["fc1.weight"], ts.Float8Tensor)
+    assert isinstance(out["fc1.weight"], tsf.Float8Tensor)
 
 
 def test_unrecognized_extra_state_is_refused_naming_the_key(tmp_path):
@@ -53,7 +55,7 @@ def test_unrecognized_extra_state_is_refused_naming_the_key(tmp_path):
             return (os.system, ("echo pwned",))
 
     bad = torch.frombuffer(bytearray(pickle.dumps({"recipe": Evil()})), dtype=torch.uint8)
-    with pytest.raises(ts.UnsupportedValueError, match="layer._extra_state"):
+    with pytest.raises(tse.UnsupportedValueError, match="layer._extra_state"):
         ts.save_quantized({"layer._extra_state": bad}, tmp_path / "x")
     assert not (tmp_path / "x" / "te_serial.msgpack").exists()
 

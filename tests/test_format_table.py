@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import formats as tsf
 from helpers import FORMAT_CASES
 from te_serial.formats import COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, TE_ADAPTERS, UsageLayout
 from te_serial.recipes import RECIPES, recipe_quantizer

@@ -30,6 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "schema" / "golden"
@@ -264,7 +266,7 @@ def test_manifest_as_recorded(name):
                 assert p.quantizer is None, tname
             else:
                 assert p.quantizer.to_dict() == want["quantizer"], tname
-                assert type(p.quantizer) is ts.resolve_quantizer(want["quantizer"]["kind"])
+                assert type(p.quantizer) is tsf.resolve_quantizer(want["quantizer"]["kind"])
                 assert p.quantizer.tensor_class.__name__ == want["storage"], tname
             entry = m.tensors[tname]
             assert list(entry.buffers) == list(want["buffers"]), tname
@@ -295,7 +297,7 @@ def test_tensors_as_recorded(name):
         assert t.dtype == getattr(torch, want["dtype"]), tname
         assert t.requires_grad == want["requires_grad"], tname
         if want["quantizer"] is None:
-            assert type(t) in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, ts.QuantizedTensor)
+            assert type(t) in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, tsf.QuantizedTensor)
             assert digest(t) == want["buffers"]["data"]["xxh3_64"], tname
             continue
         assert type(t).__name__ == want["storage"], tname
@@ -403,9 +405,9 @@ def test_tied_quantized_tensors_come_back_as_one():
     obj = ts.load_quantized(golden("tied_quantized"), verify=True)
     assert obj["lm_head"]["weight"] is obj["embed"]["weight"]
     assert obj["embed"]["weight"].requires_grad  # saved from a Parameter
-    assert isinstance(obj["embed"]["weight"], ts.MXFP8Tensor)
+    assert isinstance(obj["embed"]["weight"], tsf.MXFP8Tensor)
     assert obj["layers"][1]["proj"] is obj["layers"][0]["proj"]
-    assert isinstance(obj["layers"][0]["proj"], ts.NVFP4Tensor)
+    assert isinstance(obj["layers"][0]["proj"], tsf.NVFP4Tensor)
     assert obj["pos_out"]["weight"] is obj["pos"]["weight"]
     other = obj["layers"][0]["other"]
     assert other is not obj["embed"]["weight"]
@@ -436,9 +438,9 @@ def test_no_checksums():
     obj = ts.load_quantized(golden("no_checksums"))
     assert obj["step"] == 7
     assert digest(obj["weight"].dequantize(torch.float32)) == rec["tensors"]["weight"]["dequantized_float32_xxh3_64"]
-    with pytest.raises(ts.ChecksumError, match="saved without checksums"):
+    with pytest.raises(tse.ChecksumError, match="saved without checksums"):
         ts.verify(golden("no_checksums"))
-    with pytest.raises(ts.ChecksumError, match="saved without checksums"):
+    with pytest.raises(tse.ChecksumError, match="saved without checksums"):
         ts.load_quantized(golden("no_checksums"), verify=True)
 
 
@@ -706,7 +708,7 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
 def test_newer_major_version_is_refused(tmp_path):
     path = _rewrite(golden("mxfp8_1x32"), tmp_path / "v2.safetensors",
                     lambda d: d.__setitem__("version", [2, 0]))
-    with pytest.raises(ts.VersionError, match=r"2\.0.*newer"):
+    with pytest.raises(tse.VersionError, match=r"2\.0.*newer"):
         ts.load_quantized(path)
 
 
@@ -752,5 +754,5 @@ def test_verify_catches_a_flipped_byte(tmp_path):
     data[start + 5] ^= 0x10
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(bytes(data))
-    with pytest.raises(ts.ChecksumError, match="_rowwise_data"):
+    with pytest.raises(tse.ChecksumError, match="_rowwise_data"):
         ts.verify(bad)

@@ -14,6 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from te_serial.errors import CheckpointError, UnknownLayoutError
 
 from _convert_data import (DEEPSEEK_QC, E4M3, ct_checkpoint, ct_dequantize, deepseek_checkpoint,
@@ -60,12 +62,12 @@ def test_deepseek_detected_and_values_exact(deepseek):
             t = src.load(name)
             if _linear(name):
                 assert st.fmt == "deepseek_fp8" and st.usages == "row"
-                assert isinstance(t, ts.Float8BlockwiseQTensor)
+                assert isinstance(t, tsf.Float8BlockwiseQTensor)
                 q = t.quantizer
                 assert (q.block_scaling_dim, q.rowwise, q.columnwise, q.fp8_dtype) == (2, True, False, E4M3)
                 assert not q.force_pow_2_scales  # DeepSeek's scales are amax / 448, not powers of two
             else:
-                assert not isinstance(t, ts.QuantizedTensor)
+                assert not isinstance(t, tsf.QuantizedTensor)
             assert _same(tc.values(t), want), name
 
 
@@ -262,7 +264,7 @@ def test_te_serial_source_reads_every_recipe_and_verifies_checksums(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ts.ChecksumError):
+    with pytest.raises(tse.ChecksumError):
         with tc.open_source(tmp_path / "ck") as src:
             for name in src.tensors:
                 src.load(name)
@@ -370,5 +372,5 @@ def test_safetensors_written_by_converter_read_by_safetensors_and_te_serial(tmp_
     assert "model.layers.0.mlp.up_proj.weight._rowwise_data" in keys
     assert ts.verify(tmp_path / "one.safetensors") > 0
     loaded = ts.load_quantized(tmp_path / "one.safetensors")
-    assert isinstance(loaded["model.layers.0.mlp.up_proj.weight"], ts.MXFP8Tensor)
+    assert isinstance(loaded["model.layers.0.mlp.up_proj.weight"], tsf.MXFP8Tensor)
     assert torch.equal(loaded["model.position_ids"], sd["model.position_ids"])

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import te_serial as ts
+from te_serial import formats as tsf
 from te_serial.precision import stays_high_precision
 
 
@@ -43,7 +44,7 @@ def test_quantize_model_and_convert_keep_the_same_tensors(recipe, tmp_path):
     rep = ts.convert(tmp_path / "model.safetensors", tmp_path / "out", recipe=recipe)
     by_convert = sorted(t.name for t in rep.tensors if t.method == "quantize")
     ts.quantize_model(model, recipe, columnwise=False)
-    by_model = sorted(n for n, p in model.named_parameters() if isinstance(p, ts.QuantizedTensor))
+    by_model = sorted(n for n, p in model.named_parameters() if isinstance(p, tsf.QuantizedTensor))
     assert by_model == by_convert
     expected = sorted(f"layers.{i}.{m}.weight" for i in range(2) for m in (
         "self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate_proj"))

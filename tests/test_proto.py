@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 
 
 def test_plain_proto():
@@ -16,7 +18,7 @@ def test_plain_proto():
     assert not p.is_quantized and p.inner_names() == [] and p.nbytes == 24
     made = p.create_tensor()
     assert made.shape == (3, 4) and made.dtype == torch.float16 and made.requires_grad
-    with pytest.raises(ts.FormatError):
+    with pytest.raises(tse.FormatError):
         p.create_metadata()
 
 
@@ -35,9 +37,9 @@ def test_create_tensor_on_meta_and_with_requires_grad():
     p = ts.TensorProto((128, 256), torch.bfloat16, ts.Float8BlockQuantizer(), requires_grad=True,
                        device="meta")
     t = p.create_tensor()
-    assert isinstance(t, ts.Float8BlockwiseQTensor) and t.device.type == "meta" and t.requires_grad
+    assert isinstance(t, tsf.Float8BlockwiseQTensor) and t.device.type == "meta" and t.requires_grad
     assert all(b.device.type == "meta" for b in t.buffers().values())
-    assert p.create_metadata() == ts.StorageMeta("Float8BlockwiseQTensor", p.quantizer, torch.bfloat16, True)
+    assert p.create_metadata() == tsf.StorageMeta("Float8BlockwiseQTensor", p.quantizer, torch.bfloat16, True)
     cpu = p.create_tensor(device="cpu")
     assert cpu.device.type == "cpu"
 
@@ -66,7 +68,7 @@ def test_nbytes_per_recipe_for_a_4096_square_weight():
 
 
 def test_bad_inputs():
-    with pytest.raises(ts.FormatError):
+    with pytest.raises(tse.FormatError):
         ts.to_tensor_proto([1, 2])
-    with pytest.raises(ts.FormatError):
+    with pytest.raises(tse.FormatError):
         ts.TensorProto.from_dict({"shape": [1], "dtype": "object"})

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from te_serial.recipes import RECIPES, recipe_quantizer
 
 ALL = [
@@ -21,7 +23,7 @@ ALL = [
 
 @pytest.mark.parametrize("q", ALL, ids=lambda q: q.kind)
 def test_value_semantics_and_dict_round_trip(q):
-    again = ts.Quantizer.from_dict(q.to_dict())
+    again = tsf.Quantizer.from_dict(q.to_dict())
     assert again == q and hash(again) == hash(q) and again is not q
     assert type(again) is type(q)
     other = q.set_usage(columnwise=not q.columnwise) if q.rowwise else q.set_usage(rowwise=True)
@@ -29,7 +31,7 @@ def test_value_semantics_and_dict_round_trip(q):
     with pytest.raises(dataclasses.FrozenInstanceError):
         q.rowwise = False
     import msgpack
-    assert ts.Quantizer.from_dict(msgpack.unpackb(msgpack.packb(q.to_dict()))) == q
+    assert tsf.Quantizer.from_dict(msgpack.unpackb(msgpack.packb(q.to_dict()))) == q
 
 
 def test_te_constructor_signatures():
@@ -49,13 +51,13 @@ def test_te_constructor_signatures():
     {"kind": "mxfp8", "rowwise": False, "columnwise": False},
 ])
 def test_from_dict_refuses_bad_input(bad):
-    with pytest.raises(ts.FormatError):
-        ts.Quantizer.from_dict(bad)
+    with pytest.raises(tse.FormatError):
+        tsf.Quantizer.from_dict(bad)
 
 
 def test_unknown_kind_is_its_own_error():
-    with pytest.raises(ts.UnknownQuantizerError, match="os.system"):
-        ts.Quantizer.from_dict({"kind": "os.system"})
+    with pytest.raises(tse.UnknownQuantizerError, match="os.system"):
+        tsf.Quantizer.from_dict({"kind": "os.system"})
 
 
 @pytest.mark.parametrize("q,shape,rule", [
@@ -66,26 +68,26 @@ def test_unknown_kind_is_its_own_error():
     (ts.Float8CurrentScalingQuantizer(), (), "at least one dim"),
 ])
 def test_shape_rules_raise_clear_errors(q, shape, rule):
-    with pytest.raises(ts.ShapeError, match=rule) as info:
+    with pytest.raises(tse.ShapeError, match=rule) as info:
         q.describe_buffers(shape)
     assert str(tuple(shape)) in str(info.value)
-    with pytest.raises(ts.ShapeError):
+    with pytest.raises(tse.ShapeError):
         q.quantize(torch.zeros(shape))
-    with pytest.raises(ts.ShapeError):
+    with pytest.raises(tse.ShapeError):
         ts.TensorProto(shape, torch.bfloat16, q)
-    assert issubclass(ts.ShapeError, ts.TeSerialError)
+    assert issubclass(tse.ShapeError, ts.TeSerialError)
 
 
 def test_stochastic_rounding_is_configurable_but_refused_at_quantize():
     q = ts.NVFP4Quantizer(stochastic_rounding=True)
-    assert ts.Quantizer.from_dict(q.to_dict()) == q
+    assert tsf.Quantizer.from_dict(q.to_dict()) == q
     assert q.describe_buffers((16, 16))  # layout is known
-    with pytest.raises(ts.QuantizationError, match="not reproducible"):
+    with pytest.raises(tse.QuantizationError, match="not reproducible"):
         q.quantize(torch.randn(16, 16))
 
 
 def test_quantize_refuses_non_float_input():
-    with pytest.raises(ts.FormatError, match="floating-point"):
+    with pytest.raises(tse.FormatError, match="floating-point"):
         ts.MXFP8Quantizer()(torch.zeros(32, 32, dtype=torch.int32))
 
 
@@ -98,7 +100,7 @@ def test_quantize_keeps_nominal_dtype_and_accepts_override():
 def test_internal_quantize_returns_bare_storage():
     x = torch.randn(32, 64)
     s = ts.MXFP8Quantizer().quantize(x, internal=True)
-    assert type(s) is ts.MXFP8TensorStorage and not isinstance(s, torch.Tensor)
+    assert type(s) is tsf.MXFP8TensorStorage and not isinstance(s, torch.Tensor)
     assert s.logical_shape == (32, 64) and s.fake_dtype == torch.float32
     assert torch.equal(s.dequantize(), ts.MXFP8Quantizer()(x).dequantize())
 
@@ -106,12 +108,12 @@ def test_internal_quantize_returns_bare_storage():
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_every_named_recipe_builds_a_registered_quantizer(name):
     q = recipe_quantizer(name)
-    assert ts.resolve_quantizer(q.kind) is type(q)
+    assert tsf.resolve_quantizer(q.kind) is type(q)
     assert q.quantize(torch.randn(64, 128)).shape == (64, 128)
 
 
 def test_unknown_recipe_lists_the_known_ones():
-    with pytest.raises(ts.FormatError, match="mxfp8"):
+    with pytest.raises(tse.FormatError, match="mxfp8"):
         recipe_quantizer("fp7")
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 import te_serial as ts
+from te_serial import errors as tse
 from te_serial.checkpoint import writer as writer_mod
 from te_serial.checkpoint.files import SafetensorsFile
 from te_serial.checkpoint.writer import SHARD_NAME
@@ -122,7 +123,7 @@ def test_a_failed_single_file_save_keeps_the_old_file(tmp_path):
     path = tmp_path / "w.safetensors"
     ts.save_quantized({"old": torch.zeros(4)}, path)
     before = path.read_bytes()
-    with pytest.raises(ts.UnsupportedValueError):
+    with pytest.raises(tse.UnsupportedValueError):
         ts.save_quantized({"a": torch.ones(4), "b": object()}, path)
     assert path.read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".te_serial-tmp-")]

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from helpers import E4M3, E5M2, INPUT_KINDS, USAGES, assert_same_buffers, make_input, same_bits, same_values
 
 
@@ -147,17 +149,17 @@ def test_unaligned_and_bad_ranges_are_refused(case):
         m, k = shape
         ra, ca = q.slice_alignment()
         if ra > 1:
-            with pytest.raises(ts.ShapeError, match=f"blocks of {ra}"):
+            with pytest.raises(tse.ShapeError, match=f"blocks of {ra}"):
                 ts.slice_quantized(t, rows=(ra // 2, m))
-            with pytest.raises(ts.ShapeError, match=f"blocks of {ra}"):
+            with pytest.raises(tse.ShapeError, match=f"blocks of {ra}"):
                 ts.slice_quantized(t, rows=(0, ra + 1))
         if ca > 1:
-            with pytest.raises(ts.ShapeError, match=f"blocks of {ca}"):
+            with pytest.raises(tse.ShapeError, match=f"blocks of {ca}"):
                 ts.slice_quantized(t, cols=slice(ca - 1, None))
         for bad in [(0, 0), (0, m + 1), (5, 2)]:
-            with pytest.raises(ts.ShapeError):
+            with pytest.raises(tse.ShapeError):
                 ts.slice_quantized(t, rows=bad)
-        with pytest.raises(ts.ShapeError, match="step 1"):
+        with pytest.raises(tse.ShapeError, match="step 1"):
             ts.slice_quantized(t, cols=slice(0, k, 2))
 
 
@@ -182,5 +184,5 @@ def test_python_slices_and_negative_bounds():
 
 
 def test_slice_needs_a_quantized_tensor():
-    with pytest.raises(ts.FormatError):
+    with pytest.raises(tse.FormatError):
         ts.slice_quantized(torch.zeros(4, 4), rows=(0, 2))

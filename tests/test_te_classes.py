@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import formats as tsf
 import te_shim
 from helpers import INPUT_KINDS, make_input, same_bits, same_values
 
@@ -106,7 +107,7 @@ def test_te_mxfp8_and_nvfp4_tensors_build_from_our_buffers(two_d):
     assert tuple(tm.shape) == (64, 128) and all(v is b[k] for k, v in te_shim.te_buffers(tm).items())
     n = ts.NVFP4Quantizer(with_2d_quantization=two_d)(x)
     b = n.buffers()
-    tn = te_shim.make_te_nvfp4(*(b[k] for k in ts.NVFP4TensorStorage.BUFFERS), (64, 128), torch.bfloat16,
+    tn = te_shim.make_te_nvfp4(*(b[k] for k in tsf.NVFP4TensorStorage.BUFFERS), (64, 128), torch.bfloat16,
                                with_2d_quantization=two_d)
     assert tuple(tn.shape) == (64, 128) and set(te_shim.te_buffers(tn)) == set(b)
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import formats as tsf
+from te_serial.te_interop import is_te_tensor
 import te_shim
 from helpers import E4M3, E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits, same_values
 
@@ -23,7 +25,7 @@ def test_round_trip_through_te_classes_is_byte_identical(make, shape, usage):
     ours = make(*usage)(make_input("outliers", shape, torch.bfloat16, 3))
     theirs = ts.to_te(ours)
     assert type(theirs).__module__.startswith("transformer_engine.")
-    assert ts.is_te_tensor(theirs) and not ts.is_te_tensor(ours)
+    assert is_te_tensor(theirs) and not is_te_tensor(ours)
     assert tuple(theirs.shape) == tuple(shape) and theirs.dtype == torch.bfloat16
     for n, b in te_shim.te_buffers(theirs).items():
         assert b is getattr(ours, n)  # shares the bytes
@@ -45,14 +47,14 @@ def test_swizzled_scales_are_unswizzled():
     for q, shape in ((ts.MXFP8Quantizer(), (128, 256)), (ts.NVFP4Quantizer(), (128, 256))):
         ours = q(torch.randn(shape))
         b = ours.buffers()
-        sw = {n: (ts.swizzle_scales(v, columnwise=(n == "_columnwise_scale_inv" and q.kind == "mxfp8"))
+        sw = {n: (tsf.swizzle_scales(v, columnwise=(n == "_columnwise_scale_inv" and q.kind == "mxfp8"))
                   if "scale_inv" in n else v) for n, v in b.items()}
         if q.kind == "mxfp8":
             theirs = te_shim.make_te_mxfp8(sw["_rowwise_data"], sw["_rowwise_scale_inv"], sw["_columnwise_data"],
                                            sw["_columnwise_scale_inv"], E4M3, shape, torch.float32,
                                            with_gemm_swizzled_scales=True)
         else:
-            theirs = te_shim.make_te_nvfp4(*(sw[k] for k in ts.NVFP4TensorStorage.BUFFERS), shape, torch.float32,
+            theirs = te_shim.make_te_nvfp4(*(sw[k] for k in tsf.NVFP4TensorStorage.BUFFERS), shape, torch.float32,
                                            with_gemm_swizzled_scales=True)
         assert not torch.equal(sw["_rowwise_scale_inv"], b["_rowwise_scale_inv"])
         assert_same_tensor(ts.from_te(theirs), ours)
@@ -103,7 +105,7 @@ def test_te_storage_objects_convert_too():
     storage = te.Float8BlockwiseQTensorStorage(b["_rowwise_data"], b["_rowwise_scale_inv"], b["_columnwise_data"],
                                                b["_columnwise_scale_inv"], te_shim.to_te_dtype(E4M3), None, True,
                                                fake_dtype=torch.float32)
-    assert ts.is_te_tensor(storage) and not isinstance(storage, torch.Tensor)
+    assert is_te_tensor(storage) and not isinstance(storage, torch.Tensor)
     assert_same_tensor(ts.from_te(storage), ours)
 
 

@@ -2,8 +2,11 @@
 
     python tools/bench.py quantize     # GB/s of BF16 input quantized per recipe vs a plain FP8 cast
     python tools/bench.py ckpt         # save / load of ~1 GiB vs safetensors and torch.load; 10k-tensor open
-    python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint
+    python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint;
+                                       # a ~2 GiB BF16 HF directory quantized on load vs convert + load_into
     python tools/bench.py convert      # BF16 -> MXFP8 conversion: GB/s and peak RSS for 1 and 3 GiB sources
+    python tools/bench.py dcp          # ~1 GiB quantized state on 2 ranks: DCP save / load / 2->4 load vs
+                                       # DCP's FileSystemWriter; bytes read by a sliced load of 1/4 of the rows
 
 Timings are medians of several runs in one process; nothing here is asserted in tests.
 """
@@ -24,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import te_serial as ts  # noqa: E402
+from te_serial import formats as tsf  # noqa: E402
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
 
@@ -83,7 +87,7 @@ def _buffers_of(sd) -> dict[str, torch.Tensor]:
     """The same bytes as a flat dict of plain tensors (what safetensors / torch.save are given)."""
     out = {}
     for name, t in sd.items():
-        if isinstance(t, ts.QuantizedTensor):
+        if isinstance(t, tsf.QuantizedTensor):
             values = t.quantizer.value_dtypes()
             out.update({f"{name}.{n}": b.view(values[n]) for n, b in t.buffers().items()})
         else:
@@ -94,7 +98,7 @@ def _buffers_of(sd) -> dict[str, torch.Tensor]:
 def _read_all(tensors) -> None:
     """Touch every byte (uint8 max: ~27 GB/s here, so the reader is not the bottleneck)."""
     for t in tensors:
-        if isinstance(t, ts.QuantizedTensor):
+        if isinstance(t, tsf.QuantizedTensor):
             for b in t.buffers().values():
                 b.reshape(-1).view(torch.uint8).max()
         elif t.numel():
@@ -129,7 +133,7 @@ def bench_ckpt(args) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in flat.values())
         gb = nbytes / 1e9
         print(f"ckpt: {len(sd)} tensors, {nbytes / (1 << 30):.2f} GiB "
-              f"({sum(isinstance(t, ts.QuantizedTensor) for t in sd.values())} quantized), "
+              f"({sum(isinstance(t, tsf.QuantizedTensor) for t in sd.values())} quantized), "
               f"median of {args.repeat}, A/B interleaved")
         ours, pt_file = work / "ours", work / "pt.pt"
         ts.save_quantized(sd, ours)
@@ -193,7 +197,7 @@ import torch
 import te_serial as ts
 from bench import _mixed_state_dict
 sd = _mixed_state_dict(int(float(sys.argv[3]) * (1 << 30)))
-sizes = [t.quantized_nbytes() if isinstance(t, ts.QuantizedTensor) else t.numel() * t.element_size()
+sizes = [t.quantized_nbytes() if isinstance(t, tsf.QuantizedTensor) else t.numel() * t.element_size()
          for t in sd.values()]
 rss = int([l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split()[1]) * 1024
 with open("/proc/self/clear_refs", "w") as f:  # the high-water mark from here on: the save's
@@ -289,6 +293,248 @@ def bench_model(args) -> None:
             print(f"  {mode:<36} peak RSS {rss / 2**30:6.2f} GiB   {sec:6.1f} s")
         print(f"  te-serial peak RSS / budget (quantized x 1.1 + 300 MB): {ours / budget:.2f} (target <= 1.0)")
         print(f"  usual path peak RSS / te-serial peak RSS: {results['bf16 + load_state_dict + quantize'][0] / ours:.2f}x")
+        if args.hf_gib > 0:
+            _bench_quantize_on_load(args, work, repo)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_ON_LOAD_CHILD = r"""
+import json, sys, time
+try:  # forget any high-water mark inherited through fork: count this process only
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+import torch
+from torch import nn
+sys.path.insert(0, sys.argv[1])
+import te_serial as ts
+mode, src, out, layers, d = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+import resource
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+def make():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(d, d, bias=False, dtype=torch.bfloat16) for _ in range(layers)])
+    return ts.quantize_model(model, "mxfp8")  # quantize_model's default: both usages (grad enabled)
+t0, c0 = time.perf_counter(), cpu()
+if mode == "on_load":  # the BF16 directory straight into the meta model, quantized tensor by tensor
+    model = make()
+    ts.load_into(model, src)
+    lossy = len(model.te_serial_report.lossy)
+else:  # convert to a te-serial checkpoint on disk, then load that
+    rep = ts.convert(src, out, recipe="mxfp8", overwrite=True)
+    model = make()
+    ts.load_into(model, out)
+    lossy = len(rep.lossy)
+for p in model.parameters():  # every byte resident: what RSS counts is really there
+    for b in p.buffers().values():
+        b.view(-1).max()
+seconds, cpu_seconds = time.perf_counter() - t0, cpu() - c0
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({"rss": int(hwm) * 1024, "seconds": seconds, "cpu": cpu_seconds, "qbytes": ts.plan(model).total_bytes,
+                  "lossy": lossy}))
+"""
+
+
+def _bench_quantize_on_load(args, work: Path, repo: str) -> None:
+    """Issue 15's figure: a ~2 GiB BF16 Hugging Face directory into a meta model as MXFP8, quantized
+    on load; peak RSS against its budget, wall time against convert-to-disk + load_into."""
+    import json
+    import subprocess
+    from safetensors.torch import save_file
+    d = 4096
+    layers = max(1, int(args.hf_gib * (1 << 30)) // (d * d * 2))
+    src, out = work / "hf_bf16", work / "converted"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    per_shard = 16  # 512 MiB shards with an index, as Hugging Face writes them
+    n = -(-layers // per_shard)
+    weight_map = {}
+    for s in range(n):
+        name = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
+        shard = {f"{i}.weight": torch.randn(d, d, generator=g).to(torch.bfloat16)
+                 for i in range(s * per_shard, min(layers, (s + 1) * per_shard))}
+        save_file(shard, str(src / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        del shard
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    print(f"\nquantize on load: {layers} x Linear({d}, {d}), BF16 Hugging Face directory "
+          f"{layers * d * d * 2 / 2**30:.2f} GiB -> MXFP8 (both usages); {args.repeat_hf} run(s) each, interleaved")
+    runs: dict[str, list[dict]] = {"on_load": [], "convert_load": []}
+    for _ in range(args.repeat_hf):
+        for mode in runs:
+            res = subprocess.run([sys.executable, "-c", _ON_LOAD_CHILD, repo, mode, str(src), str(out), str(layers),
+                                  str(d)], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"{mode} child failed:\n{res.stderr[-3000:]}")
+            runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(out, ignore_errors=True)
+    labels = {"on_load": "load_into(BF16 dir), quantize on load", "convert_load": "convert to disk + load_into"}
+    best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
+    for mode, r in runs.items():
+        secs = ", ".join(f"{x['seconds']:.1f}" for x in r)
+        cpus = ", ".join(f"{x['cpu']:.1f}" for x in r)
+        print(f"  {labels[mode]:<40} peak RSS {max(x['rss'] for x in r) / 2**30:5.2f} GiB   wall {secs} s   "
+              f"CPU {cpus} s")
+    qbytes = best["on_load"]["qbytes"]
+    budget = qbytes * 1.1 + 300e6
+    peak = max(x["rss"] for x in runs["on_load"])
+    print(f"  MXFP8 bytes {qbytes / 2**30:.2f} GiB; quantize-on-load peak RSS / budget (MXFP8 x 1.1 + 300 MB): "
+          f"{peak / budget:.2f} (target <= 1.0)")
+    print(f"  wall time, convert + load_into / quantize on load (fastest of each): "
+          f"{best['convert_load']['seconds'] / best['on_load']['seconds']:.2f}x (target >= 1.0); CPU time "
+          f"{min(x['cpu'] for x in runs['convert_load']) / min(x['cpu'] for x in runs['on_load']):.2f}x "
+          f"(fsync waits not counted); lossy tensors {best['on_load']['lossy']} vs {best['convert_load']['lossy']}")
+
+
+# --- dcp: te-serial's pickle-free DCP storage vs DCP's FileSystemWriter ---------------------------------
+
+_DCP_RECIPES = ("mxfp8", "nvfp4", "fp8_block", "fp8_current")
+
+
+def _dcp_names(gib: float) -> list[tuple[str, str]]:
+    """(name, recipe) of 4096 x 4096 weights, both usages, adding up to about ``gib``."""
+    out, size, i = [], 0, 0
+    while size < gib * (1 << 30):
+        recipe = _DCP_RECIPES[i % len(_DCP_RECIPES)]
+        out.append((f"layers.{i}.weight", recipe))
+        size += recipe_quantizer(recipe).nbytes((4096, 4096))
+        i += 1
+    return out
+
+
+def _dcp_state(names, world: int, rank: int, mesh, fill: bool):
+    """Each rank's Shard(0) part of every weight as a DTensor of a quantized tensor (random bytes,
+    tensor-wide scalars equal on every rank), and the same bytes as plain DTensors (views)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from te_serial.dcp import _buffer_pieces, _local_view
+    g = torch.Generator().manual_seed(rank)
+    noise = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
+    quantized, plain = {}, {}
+    rows = 4096 // world
+    for name, recipe in names:
+        q = recipe_quantizer(recipe)
+        local = ts.TensorProto((rows, 4096), torch.bfloat16, q).create_tensor()
+        for b, buf in local.buffers().items():
+            flat = buf.view(torch.uint8).reshape(-1)
+            if not fill:
+                continue
+            if buf.numel() == 1:  # a tensor-wide scale / amax: the same on every rank
+                buf.fill_(1.0)
+                continue
+            for off in range(0, flat.numel(), noise.numel()):
+                n = min(noise.numel(), flat.numel() - off)
+                flat[off:off + n] = noise[:n]
+        d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((4096, 4096)),
+                               stride=(4096, 1))
+        quantized[name] = d
+        for b, (offsets, sizes, piece) in _buffer_pieces(_local_view(name, d)).items():
+            view = ts.formats.slicing.region_views(q, (4096, 4096))[b]
+            dims = [i for i, (s, v) in enumerate(zip(sizes, view)) if s != v]
+            placement = [Shard(dims[0])] if dims else [Replicate()]
+            plain[f"{name}.{b}"] = DTensor.from_local(piece, mesh, placement, run_check=False,
+                                                      shape=torch.Size(view),
+                                                      stride=torch.empty(view, device="meta").stride())
+    return quantized, plain
+
+
+def _dcp_child(rank: int, world: int, port: int, work: str, names, repeat: int, out: str) -> None:
+    import json
+    from datetime import timedelta
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    import te_serial.dcp as tdcp
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    mesh = init_device_mesh("cpu", (world,))
+    work = Path(work)
+    times: dict[str, list[float]] = {}
+
+    def timed(key, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.setdefault(key, []).append(time.perf_counter() - t0)
+
+    if world == 2:
+        state, plain = _dcp_state(names, world, rank, mesh, fill=True)
+        dest_q, dest_p = _dcp_state(names, world, rank, mesh, fill=False)
+        for i in range(repeat + 1):  # the first round is a warm-up
+            timed("save ours", lambda: tdcp.save(state, work / "ours"))
+            timed("save dcp", lambda: dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(work / "dcp"))))
+            timed("load ours", lambda: tdcp.load(dest_q, work / "ours"))
+            timed("load dcp", lambda: dcp.load(dest_p, storage_reader=dcp.FileSystemReader(str(work / "dcp"))))
+        for name, d in state.items():  # the loaded bytes are the saved ones
+            a, b = d.to_local(), dest_q[name].to_local()
+            assert all(torch.equal(x.view(torch.uint8), getattr(b, n).view(torch.uint8))
+                       for n, x in a.buffers().items()), name
+    else:  # resharded: the 2-rank checkpoints loaded on 4 ranks
+        dest_q, dest_p = _dcp_state(names, world, rank, mesh, fill=False)
+        for i in range(repeat + 1):
+            timed("load 2->4 ours", lambda: tdcp.load(dest_q, work / "ours"))
+            timed("load 2->4 dcp", lambda: dcp.load(dest_p, storage_reader=dcp.FileSystemReader(str(work / "dcp"))))
+    if rank == 0:
+        Path(out).write_text(json.dumps({k: v[1:] for k, v in times.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dcp_run(world: int, work: Path, names, repeat: int) -> dict[str, float]:
+    import json
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = work / f"times-{world}.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dcp_child, args=(r, world, port, str(work), names, repeat, str(out)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+    return {k: statistics.median(v) for k, v in json.loads(out.read_text()).items()}
+
+
+def bench_dcp(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-", dir=args.dir))
+    try:
+        names = _dcp_names(args.gib)
+        total = sum(recipe_quantizer(r).nbytes((4096, 4096)) for _, r in names)
+        print(f"dcp: {len(names)} weights 4096x4096 ({', '.join(_DCP_RECIPES)}; both usages), "
+              f"{total / 2**30:.2f} GiB of quantized state, Shard(0) over 2 ranks (gloo, 1 thread each); "
+              f"median of {args.repeat} after a warm-up, A/B interleaved; baseline: DCP FileSystemWriter / "
+              "FileSystemReader with the same bytes as plain DTensors")
+        t2 = _dcp_run(2, work, names, args.repeat)
+        t4 = _dcp_run(4, work, names, args.repeat)
+        gb = total / 1e9
+        rows = [("save (fsync'd)", t2["save ours"], t2["save dcp"], 0.9),
+                ("load, same sharding", t2["load ours"], t2["load dcp"], 0.9),
+                ("load resharded 2->4", t4["load 2->4 ours"], t4["load 2->4 dcp"], 0.8)]
+        print(f"{'measure':<22}{'te-serial':>14}{'DCP':>14}{'ratio':>8}{'target':>9}")
+        for label, ours, base, target in rows:
+            print(f"{label:<22}{gb / ours:>9.2f} GB/s{gb / base:>9.2f} GB/s{base / ours:>8.2f}{'>= ' + str(target):>9}")
+        # tensor-parallel sliced load of a quarter of the rows, from the sharded checkpoint
+        with ts.open(work / "ours") as ckpt:
+            read = 0
+            t0 = time.perf_counter()
+            for name, _ in names:
+                ckpt.get(name, rows=(0, 1024))
+            sec = time.perf_counter() - t0
+            for f in ckpt._files.values():
+                read += f.bytes_read
+            stored = ckpt.manifest.nbytes()
+        print(f"sliced load of 1/4 of the rows of every weight: read {read / 2**20:.1f} MiB of {stored / 2**20:.1f} "
+              f"MiB = {read / stored:.3f} of the bytes (target <= 0.3), {sec:.2f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -307,10 +553,17 @@ def main(argv=None) -> int:
     m = sub.add_parser("model", help="peak RSS of meta-model materialization vs the BF16 path")
     m.add_argument("--gib", type=float, default=2.0, help="size of the MXFP8 checkpoint")
     m.add_argument("--dir", default=None)
+    m.add_argument("--hf-gib", type=float, default=2.0,
+                   help="size of the BF16 Hugging Face directory quantized on load (0: skip that part)")
+    m.add_argument("--repeat-hf", type=int, default=2, help="interleaved runs of each quantize-on-load mode")
+    d = sub.add_parser("dcp", help="te-serial DCP save / load / resharded load vs DCP's FileSystemWriter; sliced load")
+    d.add_argument("--gib", type=float, default=1.0, help="quantized state over 2 ranks")
+    d.add_argument("--repeat", type=int, default=5)
+    d.add_argument("--dir", default=None)
     import bench_convert  # noqa: E402 - tools/ is this script's directory
     bench_convert.add_parser(sub)
     args = parser.parse_args(argv)
-    {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model,
+    {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run}[args.which](args)
     return 0
 

@@ -21,6 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import te_serial as ts  # noqa: E402
+from te_serial import formats as tsf  # noqa: E402
+from te_serial.te_interop import is_te_tensor
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
 FAILED: list[str] = []
@@ -105,7 +107,7 @@ def te_module_round_trip(tmp: Path, cap) -> None:
             dst.load_state_dict(ts.load_quantized(path, device="cuda", as_te=True))
             ok = True
             for (k, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
-                if ts.is_te_tensor(a):
+                if is_te_tensor(a):
                     ok &= all(same(getattr(ts.from_te(b), n), t) for n, t in ts.from_te(a).buffers().items())
                 elif isinstance(a, torch.Tensor) and not k.endswith("_extra_state"):
                     ok &= same(a, b)
@@ -141,7 +143,7 @@ def main() -> int:
         torch.cuda.synchronize()
         check("load_quantized(device='cuda')", all(v.device.type == "cuda" for v in back.values()),
               f"{(time.time() - t1) * 1e3:.0f} ms")
-        ok = all(same(getattr(back[k], n), b) for k, t in state.items() if isinstance(t, ts.QuantizedTensor)
+        ok = all(same(getattr(back[k], n), b) for k, t in state.items() if isinstance(t, tsf.QuantizedTensor)
                  for n, b in t.buffers().items())
         check("cuda save/load bytes", ok and same(back["big"], state["big"]))
         proto = ts.to_tensor_proto(state["mxfp8.11"])

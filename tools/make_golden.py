@@ -68,6 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import te_serial as ts  # noqa: E402
+from te_serial import errors as tse
+from te_serial import formats as tsf  # noqa: E402
 from te_serial.checkpoint import writer as _writer  # noqa: E402
 from te_serial.checkpoint.manifest import HEADER_KEY, MANIFEST_NAME, VERSION  # noqa: E402
 from te_serial.dtypes import _DTYPES, dtype_name, safetensors_code  # noqa: E402
@@ -525,7 +527,7 @@ def expand_extra_states(obj: Any, found: list | None = None) -> Any:
 
 def encode_value(v: Any, path: tuple = ()) -> Any:
     """The typed JSON form of a tree; a tensor becomes its flat name (its path joined by dots)."""
-    if isinstance(v, (torch.Tensor, ts.QuantizedTensorStorage)):
+    if isinstance(v, (torch.Tensor, tsf.QuantizedTensorStorage)):
         return {"$tensor": ".".join(map(str, path))}
     if isinstance(v, PickledExtraState):  # msgpack ext type 3
         return {"$te_extra_state": encode_value(v.state, path)}
@@ -547,7 +549,7 @@ def encode_value(v: Any, path: tuple = ()) -> Any:
 def _flat_names(obj: Any, path: tuple = ()) -> dict[int, str]:
     """id(tensor) → flat name, first occurrence wins (as te-serial names tied tensors)."""
     out: dict[int, str] = {}
-    if isinstance(obj, (torch.Tensor, ts.QuantizedTensorStorage)):
+    if isinstance(obj, (torch.Tensor, tsf.QuantizedTensorStorage)):
         out.setdefault(id(obj), ".".join(map(str, path)))
     elif isinstance(obj, PickledExtraState):
         out.update((i, n) for i, n in _flat_names(obj.state, path).items() if i not in out)
@@ -564,7 +566,7 @@ def _flat_names(obj: Any, path: tuple = ()) -> dict[int, str]:
 
 def _all_tensors(obj: Any, path: tuple = ()) -> list[tuple[str, Any]]:
     """(flat name, tensor) for every tensor leaf, tied ones at each of their places."""
-    if isinstance(obj, (torch.Tensor, ts.QuantizedTensorStorage)):
+    if isinstance(obj, (torch.Tensor, tsf.QuantizedTensorStorage)):
         return [(".".join(map(str, path)), obj)]
     if isinstance(obj, PickledExtraState):
         return _all_tensors(obj.state, path)
@@ -578,7 +580,7 @@ def _all_tensors(obj: Any, path: tuple = ()) -> list[tuple[str, Any]]:
 def tensor_record(name: str, t: Any, manifest_entry) -> dict:
     """What a reader must find for one tensor, computed from the tensor in memory."""
     first_key = {b: e.key for b, e in manifest_entry.buffers.items()}
-    if isinstance(t, ts.QuantizedTensorStorage):
+    if isinstance(t, tsf.QuantizedTensorStorage):
         q = t.quantizer
         values = q.value_dtypes()
         buffers = {}
@@ -741,7 +743,7 @@ def _self_check(path: Path, record: dict, extra_states: list) -> None:
     else:
         try:
             ts.verify(path)
-        except ts.ChecksumError as e:
+        except tse.ChecksumError as e:
             assert "without checksums" in str(e), e
         else:
             raise AssertionError("verify passed on a checkpoint saved without checksums")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import te_serial
-from te_serial import (CheckpointError, CheckpointFileError, ChecksumError, ManifestError,
+from te_serial.errors import (CheckpointError, CheckpointFileError, ChecksumError, ManifestError,
                        TensorMismatchError, VersionError)
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.manifest import HEADER_KEY, MANIFEST_NAME, expected_buffers

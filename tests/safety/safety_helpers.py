@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 import te_serial
-from te_serial import CheckpointError
+from te_serial.errors import CheckpointError
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from te_serial.formats.base import QuantizedTensorStorage

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import te_serial
-from te_serial import ChecksumError
+from te_serial.errors import ChecksumError
 from te_serial.formats.base import QuantizedTensorStorage
 
 from .corpus import FLIPPED_BUFFERS, _flip_data_byte, alter_checksum

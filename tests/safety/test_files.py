@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import te_serial
-from te_serial import CheckpointFileError, ManifestError
+from te_serial.errors import CheckpointFileError, ManifestError
 from te_serial.checkpoint.manifest import MANIFEST_NAME
 
 from .corpus import (TRUNCATIONS, manifest_is_a_directory, manifest_is_a_fifo, missing_shard,

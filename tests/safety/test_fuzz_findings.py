@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from te_serial import CheckpointError, CheckpointFileError, ManifestError
+from te_serial.errors import CheckpointError, CheckpointFileError, ManifestError
 
 from .corpus import _with_raw_field
 from .safety_helpers import B, P, T, Ck, _pbuf, _proto, key_of, read_st, st_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import te_serial
-from te_serial import ManifestError, VersionError
+from te_serial.errors import ManifestError, VersionError
 
 from .corpus import MANIFEST_CASES
 from .safety_helpers import T, Ck, _pbuf, _proto, _quant, assert_same_state, bounded, expect_error

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import te_serial
-from te_serial import CheckpointError, ManifestError
+from te_serial.errors import CheckpointError, ManifestError
 
 from .corpus import (ABSURD, CUTS, HOSTILE_MSGPACK_PLACES, NOT_A_MAP, NOT_BASE64, drop_single_file_manifest,
                      hostile_msgpack, nested_tuples_in_tree, set_single_file_manifest, timestamp_in_tree,

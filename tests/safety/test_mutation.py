@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import te_serial
-from te_serial import CheckpointError
+from te_serial.errors import CheckpointError
 from te_serial.checkpoint.manifest import MANIFEST_NAME
 
 from .safety_helpers import Ck, alarm, assert_same_state

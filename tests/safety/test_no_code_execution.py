@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import te_serial
-from te_serial import CheckpointError, CheckpointFileError, ChecksumError, ManifestError
+from te_serial.errors import CheckpointError, CheckpointFileError, ChecksumError, ManifestError
 from te_serial.checkpoint.manifest import MANIFEST_NAME
 from te_serial.checkpoint.tree import TensorRef
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from te_serial import CheckpointFileError, TensorMismatchError
+from te_serial.errors import CheckpointFileError, TensorMismatchError
 
 from .corpus import SAFETENSORS_EDITS, edit_shard_header, rename_shard_key, set_shard_entry
 from .safety_helpers import B, T, Ck, expect_error

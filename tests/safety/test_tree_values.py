@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import te_serial
 import te_shim
-from te_serial import CheckpointError, ManifestError
+from te_serial.errors import CheckpointError, ManifestError
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.tree import (ExtraStateBudget, TEExtraState, TensorRef, check_tree, extra_state_refs,
                                        rebuild_tree, unpack_manifest)
