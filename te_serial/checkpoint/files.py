@@ -20,6 +20,7 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -231,6 +232,8 @@ class SafetensorsFile:
         self.path = Path(path)
         self._fd, size = open_regular(self.path, follow_symlinks=follow_symlinks)
         self._storage: torch.UntypedStorage | None = None
+        #: bytes of tensor data read with ``read`` / ``read_box`` (mmap'd views are not counted)
+        self.bytes_read = 0
         try:
             self.header = read_header(self._fd, str(self.path), size)
         except BaseException:
@@ -294,7 +297,55 @@ class SafetensorsFile:
                     raise CheckpointFileError(f"file ends inside the tensor ({got} of {e.nbytes} bytes)",
                                               file=str(self.path), field=key)
                 got += n
+        self.bytes_read += e.nbytes
         return out
+
+    def read_box(self, key: str, view: tuple[int, ...], offsets, sizes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box ``offsets`` / ``sizes`` of the entry seen as an array of shape ``view`` (same
+        element count), read with one ``pread`` per contiguous run: only the box's bytes are read
+        (counted in :attr:`bytes_read`). Into ``out`` (contiguous, same item size) if given."""
+        e = self._entry(key)
+        view, offsets, sizes = tuple(view), tuple(offsets), tuple(sizes)
+        if math.prod(view) != math.prod(e.shape) or len(offsets) != len(view) or len(sizes) != len(view) or any(
+                o < 0 or s < 0 or o + s > v for o, s, v in zip(offsets, sizes, view)):
+            raise CheckpointFileError(f"box {list(offsets)}+{list(sizes)} does not fit {list(view)} "
+                                      f"(entry {list(e.shape)})", file=str(self.path), field=key)
+        if out is None:
+            out = torch.empty(sizes, dtype=e.dtype)
+        elif not out.is_contiguous() or out.dtype.itemsize != e.dtype.itemsize or out.numel() != math.prod(sizes):
+            raise CheckpointError("read_box needs a contiguous output of the box's size and item size",
+                                  file=str(self.path), field=key)
+        if out.numel() == 0:
+            return out
+        item = e.dtype.itemsize
+        nd = len(view)
+        strides = [1] * nd
+        for d in range(nd - 2, -1, -1):
+            strides[d] = strides[d + 1] * view[d + 1]
+        k = nd - 1  # runs cover dims k.. : every dim after k is full
+        while k > 0 and offsets[k] == 0 and sizes[k] == view[k]:
+            k -= 1
+        run = sizes[k] * strides[k] * item if nd else item
+        dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        base = self.header.data_start + e.start + (sum(o * s for o, s in zip(offsets, strides)) * item if nd else 0)
+        pos = 0
+        for idx in itertools.product(*(range(s) for s in sizes[:k])) if nd else [()]:
+            offset = base + sum(i * s for i, s in zip(idx, strides)) * item
+            self._pread_into(dst[pos:pos + run], offset, key)
+            pos += run
+        self.bytes_read += pos
+        return out
+
+    def _pread_into(self, view: memoryview, offset: int, key: str) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = os.preadv(self._fd, [view[got:]], offset + got)
+            except OSError as err:
+                raise CheckpointFileError(f"cannot read: {err}", file=str(self.path), field=key) from None
+            if not n:
+                raise CheckpointFileError("file ends inside the tensor", file=str(self.path), field=key)
+            got += n
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -514,17 +565,24 @@ class ShardSet:
 def clean_directory(root: Path, keep: set[str], ours: re.Pattern, *, leftovers: bool = True) -> None:
     """After a commit: remove files of te-serial's own naming (``ours``, and with ``leftovers`` any
     temporary file of an interrupted write) that the committed manifest does not name. Nothing
-    else is touched."""
-    for p in root.iterdir():
-        name = p.name
-        if name in keep or not ((leftovers and is_leftover(name)) or ours.fullmatch(name)):
-            continue
-        try:
-            if p.is_dir() and not p.is_symlink():
-                for child in p.iterdir():
-                    child.unlink(missing_ok=True)
-                p.rmdir()
-            else:
-                p.unlink(missing_ok=True)
-        except OSError:
-            pass  # removed by the next save
+    else is touched. Several files are removed in parallel (freeing a large file's cached pages
+    takes a while; ``unlink`` releases the GIL)."""
+    stale = [p for p in root.iterdir()
+             if p.name not in keep and ((leftovers and is_leftover(p.name)) or ours.fullmatch(p.name))]
+    if len(stale) > 1:
+        with ThreadPoolExecutor(min(8, len(stale)), thread_name_prefix="te-serial-clean") as pool:
+            list(pool.map(_remove, stale))
+    elif stale:
+        _remove(stale[0])
+
+
+def _remove(p: Path) -> None:
+    try:
+        if p.is_dir() and not p.is_symlink():
+            for child in p.iterdir():
+                child.unlink(missing_ok=True)
+            p.rmdir()
+        else:
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass  # removed by the next save

@@ -15,6 +15,7 @@ removed. A single ``.safetensors`` file is renamed over the old one in one step.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import secrets
@@ -250,7 +251,15 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
     a directory of shards (each ≤ ``max_shard_size`` unless one buffer alone is larger) plus
     ``te_serial.msgpack``. Plain Python values in the state dict go into the manifest; tied
     tensors are stored once. Returns the manifest written.
+
+    A model with a Hugging Face config (``model.config.to_dict()``) has it recorded as JSON text
+    under the manifest metadata key ``hf_config`` (plain data, never pickle) and, in a directory,
+    also written as ``config.json`` beside the manifest, so ``te_serial.convert`` of the checkpoint
+    to ``bf16`` or a serving layout writes a complete Hugging Face directory.
     """
+    config = _hf_config(obj)
+    if config is not None and not (metadata and HF_CONFIG_KEY in metadata):
+        metadata = {**(metadata or {}), HF_CONFIG_KEY: config}
     tree, tensors = flatten_tree(obj)
     protos: dict[str, TensorProto] = {}
     aliases: dict[str, str] = {}
@@ -268,4 +277,24 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
         for name, t in tensors.items():
             if name not in aliases:
                 writer.write(name, t)
+    if config is not None and not writer.single:  # after the commit: config.json as HF directories hold it
+        atomic_write(writer.root / "config.json", (json.dumps(json.loads(config), indent=2) + "\n").encode())
     return writer.manifest
+
+
+#: manifest metadata key holding a saved model's Hugging Face config (JSON text)
+HF_CONFIG_KEY = "hf_config"
+
+
+def _hf_config(obj: Any) -> str | None:
+    """The JSON text of ``obj.config`` for a model that has a Hugging Face-style config, else None."""
+    config = getattr(obj, "config", None) if isinstance(obj, torch.nn.Module) else None
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    if callable(getattr(config, "to_json_string", None)):
+        data = json.loads(config.to_json_string(use_diff=False))
+    else:
+        data = json.loads(json.dumps(config.to_dict(), default=str))
+    if not data.get("architectures"):
+        data["architectures"] = [type(obj).__name__]
+    return json.dumps(data, sort_keys=True)

@@ -18,6 +18,7 @@ range quantized on its own.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -25,9 +26,12 @@ import torch
 from ..errors import FormatError, ShapeError
 from .base import QuantizedTensorStorage, Quantizer, flatten_2d
 
-__all__ = ["slice_quantized", "slice_buffers"]
+__all__ = ["slice_quantized", "slice_buffers", "region_views", "buffer_regions", "slice_from_regions",
+           "storage_view", "box_to_range"]
 
 Range = tuple[int, int] | slice | None
+#: a box in a region view: (offsets, sizes), one int per dim
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _bounds(r: Range, n: int, align: int, what: str) -> tuple[int, int]:
@@ -54,39 +58,138 @@ def _bounds(r: Range, n: int, align: int, what: str) -> tuple[int, int]:
     return start, stop
 
 
-def slice_buffers(q: Quantizer, buffers: Mapping[str, torch.Tensor], shape, rows: Range = None,
-                  cols: Range = None) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
-    """(shape, buffers) of the block-aligned range ``rows`` × ``cols`` of a tensor quantized by ``q``.
+def region_views(q: Quantizer, shape) -> dict[str, tuple[int, ...]]:
+    """Buffer → its **region view**: the array in which the part of the buffer that a block-aligned
+    range of rows × cols holds is one box (see :func:`buffer_regions`), in flatten order.
 
-    The shape is ``(rows, cols)`` when ``rows`` is given, else the leading dims are kept. Data
-    buffers are views of the parent where the range is contiguous; scale and amax buffers are
-    new (grids compact and zero-padded).
+    Data: [M, K / pack] ([K, M / pack] when stored transposed), a reshape of the buffer. A scale
+    with a block grid: its valid region (stored orientation; the rest of the buffer is padding). A
+    tensor-wide buffer (one scale for the whole tensor, an amax): its own shape.
+    """
+    shape = tuple(int(s) for s in shape)
+    specs = q.describe_buffers(shape)
+    m, k = flatten_2d(shape)
+    valid = q.valid_regions(shape)
+    out = {n: tuple(spec.shape) for n, spec in specs.items()}
+    for usage in q.usages_on():
+        lay = q.usage_layout(usage)
+        out[lay.data] = (k, m // lay.pack) if lay.transposed else (m, k // lay.pack)
+        if lay.scale in valid:
+            out[lay.scale] = tuple(valid[lay.scale])
+    return out
+
+
+def storage_view(stored_shape, view) -> tuple[int, ...]:
+    """The shape to view a whole stored buffer as, so that its region view ``view`` is the box at
+    the origin: ``view`` itself when it holds every element (a reshape), else the stored 2-D shape
+    (the region view is its top-left corner; the rest is zero padding)."""
+    stored_shape, view = tuple(stored_shape), tuple(view)
+    return view if math.prod(view) == math.prod(stored_shape) else stored_shape
+
+
+def buffer_regions(q: Quantizer, shape, rows: Range = None, cols: Range = None) -> dict[str, Box]:
+    """Buffer → the box (offsets, sizes in its :func:`region_views` view) that the block-aligned
+    range ``rows`` × ``cols`` of a tensor of ``shape`` holds, in flatten order.
+
+    Data: the range itself (columns / rows divided by the packing); gridded scales: the block grid
+    cells the range covers; tensor-wide buffers: the whole buffer (every range holds it).
+    Unaligned or empty ranges raise :class:`~te_serial.ShapeError` naming the block.
     """
     shape = tuple(int(s) for s in shape)
     m, k = flatten_2d(shape)
     ra, ca = q.slice_alignment()
     r0, r1 = _bounds(rows, m, ra, "rows")
     c0, c1 = _bounds(cols, k, ca, "cols")
-    new_shape = (*shape[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0)
-    specs = q.describe_buffers(new_shape)  # the format's shape rule (ShapeError)
-    out: dict[str, torch.Tensor] = {}
+    views = region_views(q, shape)
+    out: dict[str, Box] = {n: ((0,) * len(v), v) for n, v in views.items()}
     for usage in q.usages_on():
         lay = q.usage_layout(usage)
         p = lay.pack
         if lay.transposed:
-            d = buffers[lay.data].reshape(k, m // p)[c0:c1, r0 // p: -(-r1 // p)]
+            out[lay.data] = ((c0, r0 // p), (c1 - c0, -(-r1 // p) - r0 // p))
         else:
-            d = buffers[lay.data].reshape(m, k // p)[r0:r1, c0 // p: -(-c1 // p)]
-        out[lay.data] = d.contiguous().reshape(specs[lay.data].shape)
-        if lay.grid is None:
-            out[lay.scale] = buffers[lay.scale].clone()
-        else:
+            out[lay.data] = ((r0, c0 // p), (r1 - r0, -(-c1 // p) - c0 // p))
+        if lay.grid is not None:
             gr, gc = lay.grid
-            grid = q.block_scales(buffers, shape, usage)[r0 // gr: -(-r1 // gr), c0 // gc: -(-c1 // gc)]
-            out[lay.scale] = q.scale_buffer(grid, new_shape, usage)
-        if lay.amax is not None:
-            out[lay.amax] = buffers[lay.amax].clone()
-    return new_shape, out
+            a0, a1, b0, b1 = r0 // gr, -(-r1 // gr), c0 // gc, -(-c1 // gc)
+            out[lay.scale] = ((b0, a0), (b1 - b0, a1 - a0)) if lay.scale_transposed else ((a0, b0), (a1 - a0, b1 - b0))
+    return out
+
+
+def box_to_range(shape, offsets, sizes) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((r0, r1), (c0, c1)) in TE's 2-D view [M, K] of the box ``offsets`` / ``sizes`` of a tensor
+    of ``shape`` (≥ 1 dim), or None when the box is not one range of rows × cols (its leading
+    dims must be contiguous once flattened: fixed indices, then one partial dim, then full dims)."""
+    shape, offsets, sizes = tuple(shape), tuple(offsets), tuple(sizes)
+    if not shape:
+        return None
+    c = (offsets[-1], offsets[-1] + sizes[-1])
+    lead, lo, ls = shape[:-1], offsets[:-1], sizes[:-1]
+    d = len(lead)
+    while d > 0 and lo[d - 1] == 0 and ls[d - 1] == lead[d - 1]:
+        d -= 1  # trailing full dims
+    if d == 0:
+        return (0, math.prod(lead)), c
+    if any(s != 1 for s in ls[:d - 1]):
+        return None
+    inner = math.prod(lead[d:])
+    r0 = 0
+    for i in range(d):
+        r0 = r0 * lead[i] + lo[i]
+    r0 *= inner
+    return (r0, r0 + ls[d - 1] * inner), c
+
+
+def slice_from_regions(q: Quantizer, shape, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The buffers of a tensor of ``shape`` from each buffer's whole region view (``pieces``, as
+    :func:`region_views` shapes them): data reshaped (a view where it can be), scales placed at the
+    top left of a zero-padded buffer, tensor-wide buffers copied."""
+    specs = q.describe_buffers(tuple(shape))
+    views = region_views(q, shape)
+    data = {q.usage_layout(u).data for u in q.usages_on()}
+    out = {}
+    for name, spec in specs.items():
+        piece = pieces[name]
+        if tuple(piece.shape) != views[name]:
+            raise ShapeError(f"buffer {name} region is {list(piece.shape)}, expected {list(views[name])}")
+        if name in data:
+            out[name] = piece.contiguous().reshape(spec.shape)
+            continue
+        full = storage_view(spec.shape, views[name])
+        nbytes = piece.dtype.itemsize
+        buf = torch.zeros((*full[:-1], full[-1] * nbytes), dtype=torch.uint8, device=piece.device).view(piece.dtype)
+        buf[tuple(slice(0, v) for v in views[name])] = piece
+        out[name] = buf.reshape(spec.shape)
+    return out
+
+
+def _narrow(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for dim, (o, s) in enumerate(zip(*box)):
+        t = t.narrow(dim, o, s)
+    return t
+
+
+def slice_buffers(q: Quantizer, buffers: Mapping[str, torch.Tensor], shape, rows: Range = None,
+                  cols: Range = None) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
+    """(shape, buffers) of the block-aligned range ``rows`` × ``cols`` of a tensor quantized by ``q``.
+
+    The shape is ``(rows, cols)`` when ``rows`` is given, else the leading dims are kept. Data
+    buffers are views of the parent where the range is contiguous; scale and amax buffers are
+    new (grids compact and zero-padded). Built from :func:`buffer_regions` (the one rule).
+    """
+    shape = tuple(int(s) for s in shape)
+    m, k = flatten_2d(shape)
+    boxes = buffer_regions(q, shape, rows, cols)
+    (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
+    new_shape = (*shape[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0)
+    q.describe_buffers(new_shape)  # the format's shape rule (ShapeError)
+    specs, views = q.describe_buffers(shape), region_views(q, shape)
+    pieces = {}
+    for name, box in boxes.items():
+        b = buffers[name]
+        full = storage_view(specs[name].shape, views[name])
+        pieces[name] = _narrow(b.reshape(full), box)
+    return new_shape, slice_from_regions(q, new_shape, pieces)
 
 
 def slice_quantized(t: QuantizedTensorStorage, *, rows: Range = None, cols: Range = None) -> QuantizedTensorStorage:
