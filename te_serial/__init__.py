@@ -1,39 +1,29 @@
-"""te-serial: pickle-free checkpoints and exact reconstruction for Transformer Engine quantized tensors."""
+"""te-serial: pickle-free checkpoints and exact reconstruction for Transformer Engine quantized tensors.
 
-from .errors import (BufferMismatchError, CheckpointError, CheckpointFileError, ChecksumError,
-                     FormatError, ManifestError, QuantizationError, ShapeError, TeSerialError,
-                     TensorMismatchError, UnknownQuantizerError, UnknownStorageError,
-                     UnsupportedOperationError, UnsupportedValueError, VersionError)
-from .formats import (QUANTIZER_REGISTRY, STORAGE_REGISTRY, BufferSpec, Float8BlockQuantizer,
-                      Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage,
-                      Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor,
-                      Float8TensorStorage, MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage,
-                      NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage, QuantizedTensor,
-                      QuantizedTensorStorage, Quantizer, StorageMeta, resolve_quantizer,
-                      resolve_storage, swizzle_scales, unswizzle_scales)
-from .proto import TensorProto, to_tensor_proto
-from .formats.slicing import slice_quantized
+The top level holds what users call. Storage and tensor classes, registries and the swizzle helpers
+live in :mod:`te_serial.formats`; every error class in :mod:`te_serial.errors`; distributed
+checkpoints in :mod:`te_serial.dcp`.
+"""
 
 from ._version import __version__
-
-from .checkpoint import Checkpoint, load_quantized, read_protos, save_quantized, verify  # noqa: E402
-from .checkpoint import open_checkpoint as open  # noqa: E402,A001
-from .te_interop import from_te, is_te_tensor, to_te  # noqa: E402
-from .model import LoadResult, Plan, load_into, materialize, plan, quantize_model  # noqa: E402
-from .conversion import ConversionReport, convert  # noqa: E402
+from .errors import CheckpointError, TeSerialError
+from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
+                      NVFP4Quantizer)
+from .formats.slicing import slice_quantized
+from .proto import TensorProto, to_tensor_proto
+from .checkpoint import (Checkpoint, CheckpointWriter, load_quantized, read_protos, save_quantized,
+                         verify)
+from .checkpoint import open_checkpoint as open  # noqa: A001 - te_serial.open, as safetensors' safe_open
+from .te_interop import from_te, to_te
+from .model import load_into, materialize, plan, quantize_model
+from .conversion import convert
 
 __all__ = [
-    "TeSerialError", "FormatError", "ShapeError", "BufferMismatchError", "UnknownQuantizerError",
-    "UnknownStorageError", "QuantizationError", "UnsupportedOperationError", "CheckpointError",
-    "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer",
-    "Float8BlockQuantizer", "NVFP4Quantizer",
-    "QuantizedTensorStorage", "QuantizedTensor", "Float8TensorStorage", "Float8Tensor",
-    "MXFP8TensorStorage", "MXFP8Tensor", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor",
-    "NVFP4TensorStorage", "NVFP4Tensor", "BufferSpec", "StorageMeta", "QUANTIZER_REGISTRY",
-    "STORAGE_REGISTRY", "resolve_quantizer", "resolve_storage", "swizzle_scales",
-    "unswizzle_scales", "TensorProto", "to_tensor_proto", "__version__",
-    "ManifestError", "VersionError", "CheckpointFileError", "TensorMismatchError", "ChecksumError",
-    "UnsupportedValueError", "Checkpoint", "save_quantized", "load_quantized", "open", "read_protos",
-    "verify", "from_te", "to_te", "is_te_tensor", "load_into", "quantize_model", "materialize", "plan",
-    "Plan", "LoadResult", "convert", "ConversionReport", "slice_quantized",
+    "__version__",
+    "save_quantized", "load_quantized", "open", "read_protos", "verify", "convert",
+    "load_into", "quantize_model", "materialize", "plan", "Checkpoint", "CheckpointWriter",
+    "TensorProto", "to_tensor_proto", "slice_quantized",
+    "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",
+    "NVFP4Quantizer", "from_te", "to_te",
+    "TeSerialError", "CheckpointError",
 ]

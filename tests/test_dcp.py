@@ -42,6 +42,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 import te_serial.dcp as tdcp
 from te_serial.formats.slicing import buffer_regions, slice_quantized
 from helpers import FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits
@@ -57,7 +59,7 @@ def _fits(q, shape) -> bool:
     try:
         q.describe_buffers(shape)
         return True
-    except ts.ShapeError:
+    except tse.ShapeError:
         return False
 
 
@@ -113,7 +115,7 @@ def local_part(full, dim: int, world: int, rank: int):
     shape = tuple(full.shape)
     off, size = shard_range(shape[dim], world, rank)
     local_shape = tuple(size if d == dim else s for d, s in enumerate(shape))
-    if not isinstance(full, ts.QuantizedTensorStorage):
+    if not isinstance(full, tsf.QuantizedTensorStorage):
         return full.narrow(dim, off, size).clone()
     q = full.quantizer
     if size == 0:
@@ -165,7 +167,7 @@ def destination(full: dict, world: int, rank: int, mesh, *, meta: bool = True) -
         if dim is not None and mesh is not None:
             off, size = shard_range(t.shape[dim], world, rank)
             local_shape = tuple(size if d == dim else s for d, s in enumerate(t.shape))
-        if isinstance(t, ts.QuantizedTensorStorage):
+        if isinstance(t, tsf.QuantizedTensorStorage):
             local = ts.TensorProto(local_shape, t.dtype, t.quantizer).create_tensor(device="meta" if meta else "cpu")
         else:
             local = torch.empty(local_shape, dtype=t.dtype, device="meta" if meta else "cpu")
@@ -188,7 +190,7 @@ def check_loaded(sd: dict, full: dict, world: int, rank: int, mesh) -> dict[str,
                 want = local_part(t, shard_dim(name), world, rank)
             else:
                 want = t
-            if isinstance(want, ts.QuantizedTensorStorage) and want.numel() == 0:
+            if isinstance(want, tsf.QuantizedTensorStorage) and want.numel() == 0:
                 assert type(got) is type(want) and got.shape == want.shape, "empty shard"
                 for b in tdcp._tensor_wide(want.quantizer):
                     assert same_bits(getattr(got, b), getattr(want, b)), b
@@ -290,7 +292,7 @@ def _two_ranks(rank, world, mesh, tmp: Path, full, result: dict) -> None:
     for name, value in sd["model"].items():
         got = staged["model"][name]
         local, copy = (value.to_local(), got.to_local()) if isinstance(value, DTensor) else (value, got)
-        if isinstance(local, ts.QuantizedTensorStorage):
+        if isinstance(local, tsf.QuantizedTensorStorage):
             if type(copy) is not type(local):
                 bad.append(f"{name}: staged as {type(copy).__name__}")
                 continue
@@ -427,7 +429,7 @@ def test_async_staging_single_process(full):
     staged = StateDictStager().stage(full)
     for name, t in full.items():
         assert_same_tensor(staged[name], t, name)
-        if isinstance(t, ts.QuantizedTensorStorage):
+        if isinstance(t, tsf.QuantizedTensorStorage):
             for b, buf in t.buffers().items():
                 assert buf.numel() == 0 or getattr(staged[name], b).data_ptr() != buf.data_ptr()
 
@@ -459,7 +461,7 @@ def test_verify_catches_a_flipped_byte_in_one_ranks_shard(dist_run, tmp_path):
         data = bytearray(shard.read_bytes())
         data[-3] ^= 0x40
         shard.write_bytes(bytes(data))
-        with pytest.raises(ts.ChecksumError):
+        with pytest.raises(tse.ChecksumError):
             ts.verify(path)
 
 
@@ -545,10 +547,10 @@ def test_values_pickle_would_need_are_refused(tmp_path):
     class Thing:
         pass
     for bad in (Thing(), {1.5: 2}, torch.float32):
-        with pytest.raises(ts.UnsupportedValueError) as e:
+        with pytest.raises(tse.UnsupportedValueError) as e:
             tdcp.save({"opt": {"x": bad}, "w": torch.ones(2)}, tmp_path / "p")
         assert "opt" in str(e.value)
-        with pytest.raises(ts.UnsupportedValueError):
+        with pytest.raises(tse.UnsupportedValueError):
             tdcp.async_save({"opt": {"x": bad}}, tmp_path / "p")
     assert not (tmp_path / "p" / "te_serial.msgpack").exists()
 
@@ -559,7 +561,7 @@ def test_dcp_default_planner_bytes_are_refused_by_the_writer(tmp_path):
     with pytest.raises(CheckpointException) as e:
         dcp.save({"w": torch.ones(2), "v": 3}, storage_writer=tdcp.StorageWriter(tmp_path / "p"), no_dist=True)
     [(exc, _)] = e.value.failures.values()
-    assert isinstance(exc, ts.UnsupportedValueError)
+    assert isinstance(exc, tse.UnsupportedValueError)
     # plain tensors alone work with DCP's own planner and give a te-serial checkpoint
     dcp.save({"w": torch.arange(4.0), "m": {"b": torch.ones(2, 2)}},
              storage_writer=tdcp.StorageWriter(tmp_path / "q"), no_dist=True)
@@ -576,7 +578,7 @@ def test_filesystem_writer_checkpoint_is_refused_unread(tmp_path, monkeypatch):
     for mod, attr in ((pickle, "loads"), (pickle, "load"), (torch, "load")):
         monkeypatch.setattr(mod, attr, refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    with pytest.raises(ts.ManifestError) as e:
+    with pytest.raises(tse.ManifestError) as e:
         tdcp.load({"w": torch.zeros(2)}, tmp_path / "fs")
     assert "FileSystemReader" in str(e.value) and "pickle" in str(e.value)
 
@@ -631,13 +633,13 @@ def test_sliced_get_equals_slice_quantized(slice_ckpts, layout):
     with ts.open(paths[layout]) as ckpt:
         for name, t in sd.items():
             m, k = math.prod(t.shape[:-1]), t.shape[-1]
-            ra, ca = t.quantizer.slice_alignment() if isinstance(t, ts.QuantizedTensorStorage) else (1, 1)
+            ra, ca = t.quantizer.slice_alignment() if isinstance(t, tsf.QuantizedTensorStorage) else (1, 1)
             for rows in _ranges(rng, m, ra, 2 if not LONG else 5):
                 for cols in _ranges(rng, k, ca, 2 if not LONG else 5):
                     if rows is None and cols is None:
                         continue
                     got = ckpt.get(name, rows=rows, cols=cols)
-                    if isinstance(t, ts.QuantizedTensorStorage):
+                    if isinstance(t, tsf.QuantizedTensorStorage):
                         assert_same_tensor(got, slice_quantized(t, rows=rows, cols=cols), f"{name} {rows} {cols}")
                     else:
                         r0, r1 = rows or (0, m)
@@ -653,7 +655,7 @@ def test_sliced_get_of_a_sharded_checkpoint(slice_ckpts):
     rng = random.Random(7)
     with ts.open(paths["ck2"]) as ckpt:
         for name, t in full.items():
-            if not isinstance(t, ts.QuantizedTensorStorage) or t.dim() < 1:
+            if not isinstance(t, tsf.QuantizedTensorStorage) or t.dim() < 1:
                 continue
             m, k = math.prod(t.shape[:-1]), t.shape[-1]
             ra, ca = t.quantizer.slice_alignment()
@@ -673,11 +675,11 @@ def test_sliced_get_of_a_sharded_checkpoint(slice_ckpts):
 def test_unaligned_slices_are_refused(slice_ckpts):
     sd, paths, _ = slice_ckpts
     with ts.open(paths["dir"]) as ckpt:
-        with pytest.raises(ts.ShapeError, match="blocks of 32"):
+        with pytest.raises(tse.ShapeError, match="blocks of 32"):
             ckpt.get("t2_11", rows=(16, 48))
-        with pytest.raises(ts.ShapeError, match="blocks of 16"):
+        with pytest.raises(tse.ShapeError, match="blocks of 16"):
             ckpt.get("t6_10", cols=(8, 32))
-        with pytest.raises(ts.ShapeError):
+        with pytest.raises(tse.ShapeError):
             ckpt.get("t0_11", rows=(5, 5))
 
 
@@ -742,7 +744,7 @@ def test_load_into_with_shard_fn(tmp_path):
         ts.load_into(local, tmp_path / "c", shard_fn=shard_fn)
         for got, want in ((local[0].weight, slice_quantized(full[0].weight, rows=(rank * 64, rank * 64 + 64))),
                           (local[1].weight, slice_quantized(full[1].weight, cols=(rank * 64, rank * 64 + 64)))):
-            assert isinstance(got, ts.QuantizedTensorStorage) and got.shape == want.shape
+            assert isinstance(got, tsf.QuantizedTensorStorage) and got.shape == want.shape
             for n, b in want.buffers().items():
                 assert same_bits(getattr(got, n), b), n
         assert torch.equal(local[0].bias.detach(), full[0].bias.detach()[rank * 64:(rank + 1) * 64])
@@ -815,7 +817,7 @@ def test_chunk_manifest_is_validated(dist_run, tmp_path, case):
     shutil.copytree(tmp / "ck2", path)
     edit, message = CHUNK_EDITS[case]
     _rewrite(path, edit)
-    with pytest.raises(ts.ManifestError, match=message):
+    with pytest.raises(tse.ManifestError, match=message):
         ts.open(path)
 
 
@@ -835,7 +837,7 @@ def test_piece_key_collision_is_refused(tmp_path):
     def rename(doc):
         doc["tensors"]["names"][doc["tensors"]["names"].index("x")] = "w._rowwise_data@0"
     _rewrite(tmp_path / "c", rename)
-    with pytest.raises(ts.ManifestError, match="piece of a chunked tensor"):
+    with pytest.raises(tse.ManifestError, match="piece of a chunked tensor"):
         ts.open(tmp_path / "c")
 
 
@@ -858,7 +860,7 @@ def test_load_into_shard_fn_refusals(tmp_path):
     full = nn.Linear(64, 64)
     ts.quantize_model(full, ts.MXFP8Quantizer(torch.float8_e4m3fn), exclude=[])
     ts.save_quantized(full, tmp_path / "c")
-    for spec, err in (({"rows": (0, 32), "bad": 1}, ts.CheckpointError), ({"rows": (0, 16)}, ts.ShapeError),
+    for spec, err in (({"rows": (0, 32), "bad": 1}, ts.CheckpointError), ({"rows": (0, 16)}, tse.ShapeError),
                       ({"rows": (0, 48)}, ts.CheckpointError)):  # not a dict of rows/cols; unaligned; shape
         out = 16 if spec.get("rows") == (0, 16) else 32
         with torch.device("meta"):

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import te_serial as ts
+from te_serial import formats as tsf
+from te_serial.model import LoadResult
 from helpers import assert_same_tensor
 
 
@@ -34,6 +36,11 @@ class Tiny(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("positions", torch.arange(16.0))
         self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def reset_parameters(self):  # its own buffers' values: how load_into / materialize fill them on meta
+        with torch.no_grad():
+            self.positions.copy_(torch.arange(16.0))
+            self.scratch.zero_()
 
     def forward(self, ids):
         x = self.embed(ids) + self.positions[: ids.shape[-1], None]
@@ -70,7 +77,7 @@ def test_meta_model_loaded_equals_saved_model(tmp_path, recipe):
     assert out is dst
     _assert_same_model(dst, src)
     assert all(p.device.type == "cpu" for p in dst.parameters())
-    assert isinstance(dst.blocks[0].mlp.weight, nn.Parameter) and isinstance(dst.blocks[0].mlp.weight, ts.QuantizedTensor)
+    assert isinstance(dst.blocks[0].mlp.weight, nn.Parameter) and isinstance(dst.blocks[0].mlp.weight, tsf.QuantizedTensor)
     assert dst.lm_head.weight is dst.embed.weight  # tied stays tied
     ids = torch.randint(0, 96, (2, 10))
     assert torch.equal(dst(ids), src(ids))  # forward on CPU through the dequantize fallback
@@ -94,7 +101,8 @@ def test_requires_grad_and_buffers_follow_the_checkpoint(tmp_path):
     ts.load_into(dst, tmp_path / "ck")
     assert dst.blocks[0].out.weight.requires_grad and not dst.blocks[1].out.weight.requires_grad
     assert torch.equal(dst.positions, torch.arange(16.0))
-    assert "scratch" not in dst.state_dict() and dst.scratch.device.type == "meta"  # non-persistent: untouched
+    # non-persistent: in no checkpoint, initialized by the module's reset_parameters (never left on meta)
+    assert "scratch" not in dst.state_dict() and torch.equal(dst.scratch, torch.zeros(3))
 
 
 def test_strict_and_non_strict_key_handling(tmp_path):
@@ -108,9 +116,12 @@ def test_strict_and_non_strict_key_handling(tmp_path):
     with pytest.raises(ts.CheckpointError, match=r"missing keys \['blocks.1.out.bias'\].*unexpected keys \['extra.thing'\]"):
         ts.load_into(dst, tmp_path / "ck")
     res = ts.load_into(dst, tmp_path / "ck", strict=False)
-    assert isinstance(res, ts.LoadResult) and res.model is dst
+    assert isinstance(res, LoadResult) and res.model is dst
     assert res.missing_keys == ["blocks.1.out.bias"] and res.unexpected_keys == ["extra.thing"]
-    assert dst.blocks[1].out.bias.device.type == "meta" and dst.blocks[0].out.bias.device.type == "cpu"
+    assert dst.blocks[0].out.bias.device.type == "cpu"
+    bias = dst.blocks[1].out.bias  # missing: initialized by nn.Linear.reset_parameters, weight untouched
+    assert bias.device.type == "cpu" and torch.isfinite(bias).all() and bias.abs().max() <= 256 ** -0.5
+    assert_same_tensor(dst.blocks[1].out.weight, src.blocks[1].out.weight, "blocks.1.out.weight")
 
 
 def test_tied_weight_saved_under_one_name_only(tmp_path):
@@ -151,7 +162,7 @@ def test_quantize_model_include_exclude_rules():
     assert kinds["blocks.0.attn.bias"] == "Parameter"
     m = Tiny(tied=False)
     ts.quantize_model(m, ts.NVFP4Quantizer(), include=["blocks.*.mlp", "lm_head"], exclude=["blocks.1.*"])
-    quantized = sorted(n for n, p in m.named_parameters() if isinstance(p, ts.QuantizedTensor))
+    quantized = sorted(n for n, p in m.named_parameters() if isinstance(p, tsf.QuantizedTensor))
     assert quantized == ["blocks.0.mlp.weight", "lm_head.weight"]
     assert m.lm_head.weight.quantizer == ts.NVFP4Quantizer()
 
@@ -160,7 +171,7 @@ def test_quantize_model_skips_shapes_the_recipe_cannot_hold():
     m = nn.Sequential(nn.Linear(48, 64), nn.Linear(64, 64))
     with pytest.warns(UserWarning, match="0.weight left unquantized"):
         ts.quantize_model(m, "mxfp8")
-    assert not isinstance(m[0].weight, ts.QuantizedTensor) and isinstance(m[1].weight, ts.QuantizedTensor)
+    assert not isinstance(m[0].weight, tsf.QuantizedTensor) and isinstance(m[1].weight, tsf.QuantizedTensor)
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4_2d", "fp8_block", "fp8_current"])
@@ -179,7 +190,7 @@ def test_plan_on_meta_equals_real_sizes_after_loading(tmp_path, recipe):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        real += t.quantized_nbytes() if isinstance(t, ts.QuantizedTensor) else t.numel() * t.element_size()
+        real += t.quantized_nbytes() if isinstance(t, tsf.QuantizedTensor) else t.numel() * t.element_size()
     assert p.total_bytes == real == ts.open(tmp_path / "ck").manifest.nbytes()
     assert p.by_kind()[ts.recipes.recipe_quantizer(recipe).kind] > 0 and "total" in str(p)
 
@@ -191,9 +202,11 @@ def test_materialize_allocates_quantized_parameters_from_prototypes():
     ts.materialize(m, "cpu")
     assert all(t.device.type == "cpu" for t in m.state_dict().values())
     w = m.blocks[0].mlp.weight
-    assert isinstance(w, ts.NVFP4Tensor) and set(w.buffers()) == set(ts.NVFP4Quantizer().describe_buffers((256, 64)))
+    assert isinstance(w, tsf.NVFP4Tensor) and set(w.buffers()) == set(ts.NVFP4Quantizer().describe_buffers((256, 64)))
     assert m.lm_head.weight is m.embed.weight
-    assert m.scratch.device.type == "cpu"
+    assert m.scratch.device.type == "cpu" and torch.equal(m.positions, torch.arange(16.0))
+    assert torch.isfinite(w.dequantize()).all() and w.dequantize().abs().max() > 0  # initialized, then quantized
+    assert w.requires_grad and isinstance(w, nn.Parameter)
 
 
 def test_quantized_model_state_dict_round_trips(tmp_path):

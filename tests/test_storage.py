@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import te_serial as ts
+from te_serial import errors as tse
+from te_serial import formats as tsf
 from te_serial.formats import base
 from helpers import same_bits
 
@@ -59,31 +61,31 @@ def test_flatten_unflatten_round_trip(q):
 
 
 def test_registry_is_filled_by_subclassing_and_refuses_unknown_names():
-    for cls in (ts.Float8Tensor, ts.Float8TensorStorage, ts.MXFP8Tensor, ts.NVFP4TensorStorage,
-                ts.Float8BlockwiseQTensor):
-        assert ts.resolve_storage(cls.__name__) is cls
+    for cls in (tsf.Float8Tensor, tsf.Float8TensorStorage, tsf.MXFP8Tensor, tsf.NVFP4TensorStorage,
+                tsf.Float8BlockwiseQTensor):
+        assert tsf.resolve_storage(cls.__name__) is cls
     t = ts.MXFP8Quantizer()(_x((32, 32)))
     names, meta = t.__tensor_flatten__()
     for bad in ("os.system", "builtins.eval", "Tensor", None):
-        with pytest.raises(ts.UnknownStorageError):
+        with pytest.raises(tse.UnknownStorageError):
             base.QuantizedTensorStorage.__tensor_unflatten__(
                 {n: getattr(t, n) for n in names}, meta._replace(storage=bad), t.shape, None)
 
 
 def test_a_new_storage_class_registers_itself_and_duplicates_are_refused():
-    class MyTestStorage(ts.QuantizedTensorStorage):
+    class MyTestStorage(tsf.QuantizedTensorStorage):
         BUFFERS = ("_a",)
     try:
-        assert ts.resolve_storage("MyTestStorage") is MyTestStorage
-        with pytest.raises(ts.FormatError, match="registered twice"):
-            type("Float8Tensor", (ts.QuantizedTensorStorage,), {"BUFFERS": ("_x",)})
+        assert tsf.resolve_storage("MyTestStorage") is MyTestStorage
+        with pytest.raises(tse.FormatError, match="registered twice"):
+            type("Float8Tensor", (tsf.QuantizedTensorStorage,), {"BUFFERS": ("_x",)})
     finally:
-        ts.STORAGE_REGISTRY.pop("MyTestStorage")
+        tsf.STORAGE_REGISTRY.pop("MyTestStorage")
 
 
 def test_unknown_buffer_names_are_refused():
-    with pytest.raises(ts.BufferMismatchError, match="_bogus"):
-        ts.Float8TensorStorage((4, 4), torch.float32, ts.Float8CurrentScalingQuantizer(),
+    with pytest.raises(tse.BufferMismatchError, match="_bogus"):
+        tsf.Float8TensorStorage((4, 4), torch.float32, ts.Float8CurrentScalingQuantizer(),
                                _bogus=torch.zeros(1))
 
 
@@ -92,10 +94,10 @@ def test_check_buffers_names_the_mismatch():
     t = q(_x((64, 64)))
     bufs = t.buffers()
     bufs["_rowwise_scale_inv"] = torch.zeros(128, 3, dtype=torch.uint8)
-    with pytest.raises(ts.BufferMismatchError, match="_rowwise_scale_inv"):
+    with pytest.raises(tse.BufferMismatchError, match="_rowwise_scale_inv"):
         q.check_buffers((64, 64), bufs, where="w")
     bufs.pop("_rowwise_scale_inv")
-    with pytest.raises(ts.BufferMismatchError, match="buffers"):
+    with pytest.raises(tse.BufferMismatchError, match="buffers"):
         q.check_buffers((64, 64), bufs)
 
 
@@ -112,10 +114,15 @@ def test_device_moves_keep_subclass_and_bytes(q):
         assert same_bits(getattr(c, n), b) and getattr(c, n).data_ptr() != b.data_ptr()
 
 
-def test_dtype_change_dequantizes():
+def test_float_dtype_cast_keeps_bytes_and_changes_the_nominal_dtype():
     t = ts.MXFP8Quantizer()(_x((32, 64)))
-    f = t.to(torch.float32)
-    assert type(f) is torch.Tensor and torch.equal(f, t.dequantize(torch.float32))
+    for f in (t.to(torch.float32), t.float(), t.half(), t.bfloat16()):
+        assert type(f) is type(t) and f.quantizer == t.quantizer and f.dequantize().dtype == f.dtype
+        assert all(same_bits(getattr(f, n), b) for n, b in t.buffers().items())
+        assert torch.equal(f.dequantize(torch.float32), t.dequantize(torch.float32))
+    assert t.float().dtype == torch.float32 and t.half().dtype == torch.float16
+    e = t.to(torch.float8_e4m3fn)  # a cast of the values (not a nominal dtype)
+    assert type(e) is torch.Tensor and torch.equal(e, t.dequantize().to(torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("q", QUANTIZERS, ids=IDS)
@@ -151,16 +158,16 @@ def test_ops_fall_back_to_dequantize():
 
 def test_in_place_arithmetic_is_refused():
     w = ts.MXFP8Quantizer()(torch.randn(32, 32))
-    with pytest.raises(ts.UnsupportedOperationError):
+    with pytest.raises(tse.UnsupportedOperationError):
         w.mul_(2)
-    with pytest.raises(ts.UnsupportedOperationError):
+    with pytest.raises(tse.UnsupportedOperationError):
         w.zero_()
 
 
 def test_parameter_detach_clone_empty_like():
     w = ts.NVFP4Quantizer()(torch.randn(32, 64))
     p = torch.nn.Parameter(w, requires_grad=False)
-    assert isinstance(p, ts.NVFP4Tensor) and p.quantizer == w.quantizer
+    assert isinstance(p, tsf.NVFP4Tensor) and p.quantizer == w.quantizer
     c = w.clone()
     assert type(c) is type(w) and c._rowwise_data.data_ptr() != w._rowwise_data.data_ptr()
     assert same_bits(c._rowwise_data, w._rowwise_data)
@@ -176,7 +183,7 @@ def test_requires_grad_and_linear_backward_through_dequantize():
 
 
 def test_not_picklable_by_design():
-    with pytest.raises(ts.UnsupportedOperationError, match="save_quantized"):
+    with pytest.raises(tse.UnsupportedOperationError, match="save_quantized"):
         pickle.dumps(ts.MXFP8Quantizer()(torch.randn(32, 32)))
 
 
@@ -188,20 +195,20 @@ def test_repr_names_class_shape_and_buffers():
 def test_swizzle_matches_te_index_map_and_inverts():
     rows, cols = 256, 8
     s = torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols)
-    sw = ts.swizzle_scales(s)
+    sw = tsf.swizzle_scales(s)
     flat = sw.reshape(-1)
     for r in (0, 1, 31, 32, 127, 128, 200, 255):
         for c in (0, 3, 4, 7):
             tile = (r // 128) * (cols // 4) + c // 4
             off = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
             assert flat[off].item() == s[r, c].item()
-    assert torch.equal(ts.unswizzle_scales(sw), s)
+    assert torch.equal(tsf.unswizzle_scales(sw), s)
     col = torch.arange(8 * 256, dtype=torch.int32).reshape(8, 256)   # [Mp/32, Kp] columnwise
-    assert torch.equal(ts.unswizzle_scales(ts.swizzle_scales(col, columnwise=True), columnwise=True), col)
-    assert torch.equal(ts.swizzle_scales(col, columnwise=True).reshape(-1),
-                       ts.swizzle_scales(col.t().contiguous()).reshape(-1))
-    with pytest.raises(ts.ShapeError):
-        ts.swizzle_scales(torch.zeros(100, 4))
+    assert torch.equal(tsf.unswizzle_scales(tsf.swizzle_scales(col, columnwise=True), columnwise=True), col)
+    assert torch.equal(tsf.swizzle_scales(col, columnwise=True).reshape(-1),
+                       tsf.swizzle_scales(col.t().contiguous()).reshape(-1))
+    with pytest.raises(tse.ShapeError):
+        tsf.swizzle_scales(torch.zeros(100, 4))
 
 
 @pytest.mark.gpu

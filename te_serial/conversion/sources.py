@@ -182,6 +182,13 @@ class TeSerialSource(Source):
             self.aux_files = _aux_files(path, exclude={MANIFEST_NAME, *manifest.files})
             if (path / CONFIG_NAME).is_file():  # a model directory converted to te-serial keeps its config
                 self.config = _read_json(path / CONFIG_NAME)
+        if self.config is None and "hf_config" in self.metadata:  # save_quantized(model) records it
+            try:
+                config = json.loads(self.metadata["hf_config"])
+            except ValueError as e:
+                raise CheckpointFileError(f"metadata hf_config is not JSON: {e}", file=str(path),
+                                          field="hf_config") from None
+            self.config = config if isinstance(config, dict) else None
         #: the tensors of TE modules' decoded ``_extra_state`` (scales, amax histories): module state,
         #: not weights — a serving export leaves them out and takes activation scales from them
         self.extra_state_tensors = {n for n in self.tensors if any(c.endswith("_extra_state") for c in n.split(".")[:-1])}

@@ -139,10 +139,10 @@ class MXFP8Quantizer(Quantizer):
         if "_rowwise_data" in buffers:
             q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k // BLOCK, BLOCK)
             s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, ROWWISE))
-            return (q * s[..., None]).reshape(shape)
+            return q.mul_(s[..., None]).reshape(shape)  # in place: q is fresh fp32 (one tensor's worth, not two)
         q = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(m // BLOCK, BLOCK, k)
         s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, COLUMNWISE))
-        return (q * s[:, None, :]).reshape(shape)
+        return q.mul_(s[:, None, :]).reshape(shape)
 
 
 class _MXFP8TE(TEAdapter):

@@ -41,7 +41,7 @@ def _recompute_buffers(doc, tensor=T):
     d = _proto(doc, tensor)
     q = doc["quantizers"][d["quantizer"]] if d["quantizer"] is not None else None
     proto = TensorProto(tuple(d["shape"]), getattr(torch, d["dtype"]),
-                        te_serial.Quantizer.from_dict(q) if q is not None else None)
+                        te_serial.formats.Quantizer.from_dict(q) if q is not None else None)
     shapes = {n: list(s) for n, (s, _) in expected_buffers(proto).items()}
     for b in d["buffers"]:
         b["shape"] = shapes[b["name"]]

@@ -49,7 +49,7 @@ REPO = Path(te_serial.__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parents[1]
 AS_LIMIT = int(3.5 * 2**30)
 KEY = "layer._extra_state"
-FAST_S = 1.0                # a hostile payload is refused this fast
+FAST_S = 2.0                # CPU seconds: a hostile payload is refused this fast
 PEAK = 32 << 20             # ... allocating at most this much (tracemalloc)
 FUZZ_LONG = os.environ.get("TE_SERIAL_FUZZ_LONG") == "1"
 
@@ -102,10 +102,10 @@ def refuse(value, *needles, budget=None, seconds: float = FAST_S, peak: int = PE
     fast (timed on its own) and small (a second run under tracemalloc)."""
     if isinstance(value, io.BytesIO):
         value = io.BytesIO(value.getvalue())
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(CheckpointError) as info:
         decode_te_extra_state(value, where=KEY, budget=budget)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     err = info.value
     assert type(err) is UnsafeExtraStateError, f"{type(err).__name__}: {err}"
     msg = str(err)
@@ -138,7 +138,7 @@ def run_limited(body: str, timeout: float = 120.0) -> dict:
 
         def report(fn):
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             out = {{"status": "ok"}}
             try:
                 fn()
@@ -146,7 +146,7 @@ def run_limited(body: str, timeout: float = 120.0) -> dict:
                 out = {{"status": "raised", "exc": type(e).__module__ + "." + type(e).__qualname__,
                         "checkpoint_error": isinstance(e, te_serial.CheckpointError),
                         "message": str(e)[:1500], "traceback": traceback.format_exc()[-3000:]}}
-            out["seconds"] = time.perf_counter() - t0
+            out["seconds"] = time.process_time() - t0
             out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
             print("RESULT " + json.dumps(out), flush=True)
     """)
@@ -293,10 +293,10 @@ def test_budget_is_for_the_whole_checkpoint_not_per_entry():
 def test_check_extra_state_charges_every_value():
     budget = ExtraStateBudget(0)
     state = {"recipe": None, "extra_fp8_variables": {"x": [[1, 2]] * 40_000}}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(UnsafeExtraStateError, match="budget"):
         check_extra_state(state, where=KEY, budget=budget)
-    assert time.perf_counter() - t0 < FAST_S
+    assert time.process_time() - t0 < FAST_S
 
 
 # --------------------------------------------------------------------------- class 1 (decoder side): bytes

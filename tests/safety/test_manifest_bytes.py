@@ -83,7 +83,7 @@ SUBPROCESS_LOAD = textwrap.dedent("""
     import sys, te_serial
     try:
         te_serial.load_quantized(sys.argv[1])
-    except te_serial.ManifestError as e:
+    except te_serial.errors.ManifestError as e:
         print("ManifestError", e)
         sys.exit(0)
     print("loaded")
