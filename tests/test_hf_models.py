@@ -382,6 +382,7 @@ except OSError:
     pass
 import torch, transformers
 import te_serial as ts
+from te_serial import formats as tsf
 from transformers import AutoConfig, AutoModelForCausalLM
 transformers.logging.set_verbosity_error()
 def status(key):
