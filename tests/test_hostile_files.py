@@ -71,11 +71,12 @@ def _refused(reader, path, tmp_path, exc, needle=None):
     return info.value
 
 
-def _replace_shape(value):
+def _replace_entry(field, value):
+    """A header edit: ``field`` of the first tensor entry set to ``value``."""
     def edit(text):
         header = json.loads(text)
         key = next(k for k in header if k != "__metadata__")
-        header[key]["shape"] = value
+        header[key][field] = value
         return json.dumps(header)
     return edit
 
@@ -87,24 +88,15 @@ SHAPES = {"str_times_huge": ["x", 1_200_000_000], "nested_list": [[0], 2 ** 40],
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_shard_header_shapes_that_are_not_lists_of_ints(ckpt, tmp_path, reader, shape):
-    _edit_shard_header(ckpt, _replace_shape(SHAPES[shape]))
+    _edit_shard_header(ckpt, _replace_entry("shape", SHAPES[shape]))
     _refused(reader, ckpt, tmp_path, CheckpointFileError)
-
-
-def _replace_offsets(value):
-    def edit(text):
-        header = json.loads(text)
-        key = next(k for k in header if k != "__metadata__")
-        header[key]["data_offsets"] = value
-        return json.dumps(header)
-    return edit
 
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("offsets", [[0.0, 32.0], [False, True], [0, "32"], [0], [0, 2 ** 70], None],
                          ids=["float", "bool", "str", "one", "huge", "null"])
 def test_shard_header_offsets_of_the_wrong_type(ckpt, tmp_path, reader, offsets):
-    _edit_shard_header(ckpt, _replace_offsets(offsets))
+    _edit_shard_header(ckpt, _replace_entry("data_offsets", offsets))
     _refused(reader, ckpt, tmp_path, CheckpointFileError)
 
 
