@@ -189,6 +189,16 @@ def bench_ckpt(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+#: opening lines of a child-process benchmark: imports, and a high-water mark of this process only
+_FRESH_HWM = r"""
+import json, sys, time
+try:  # forget any high-water mark inherited through fork: count this process only
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+"""
+
 _SAVE_CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -222,13 +232,7 @@ def _save_peak_rss(work: Path, gib: float) -> None:
           f"budget (process + largest tensor {largest / 2**20:.0f} MiB + 300 MB; target <= 1.0)")
 
 
-_MODEL_CHILD = r"""
-import sys, time
-try:  # forget any high-water mark inherited through fork: count this process only
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
+_MODEL_CHILD = _FRESH_HWM + r"""
 import torch
 from torch import nn
 sys.path.insert(0, sys.argv[1])
@@ -300,13 +304,7 @@ def bench_model(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-_ON_LOAD_CHILD = r"""
-import json, sys, time
-try:  # forget any high-water mark inherited through fork: count this process only
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
+_ON_LOAD_CHILD = _FRESH_HWM + r"""
 import torch
 from torch import nn
 sys.path.insert(0, sys.argv[1])

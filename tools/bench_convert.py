@@ -29,6 +29,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+#: lines of a child-process benchmark that read its peak RSS (VmHWM) into ``hwm``
+_READ_HWM = r"""
+hwm = None
+try:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+except OSError:
+    pass
+"""
+
 _CHILD = r"""
 import json, resource, sys, time
 try:  # VmHWM: forget the high-water mark inherited through fork (ru_maxrss cannot be reset)
@@ -45,13 +56,7 @@ t0 = time.perf_counter()
 rep = tc.convert(sys.argv[1], sys.argv[2], recipe=sys.argv[3], max_shard_size="1GB")
 sec = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-hwm = None
-try:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            hwm = int(line.split()[1]) * 1024
-except OSError:
-    pass
+""" + _READ_HWM + r"""
 print(json.dumps({"seconds": sec, "src_bytes": rep.src_bytes, "dst_bytes": rep.dst_bytes, "peak_rss": peak,
                   "import_rss": base, "vm_hwm": hwm, "tensors": len(rep.tensors), "lossy": len(rep.lossy),
                   "threads": torch.get_num_threads()}))
@@ -160,13 +165,7 @@ else:  # a plain safetensors copy of the same bytes: every tensor read, written 
         nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
 sec = time.perf_counter() - t0
-hwm = None
-try:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            hwm = int(line.split()[1]) * 1024
-except OSError:
-    pass
+""" + _READ_HWM + r"""
 print(json.dumps({"seconds": sec, "bytes": nbytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "vm_hwm": hwm, "labels": labels}))
 """
