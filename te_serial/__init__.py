@@ -15,6 +15,7 @@ from .checkpoint import (Checkpoint, CheckpointWriter, load_quantized, read_prot
                          verify)
 from .checkpoint import open_checkpoint as open  # noqa: A001 - te_serial.open, as safetensors' safe_open
 from .te_interop import from_te, to_te
+from .te_spec import from_te_spec, to_te_spec
 from .model import load_into, materialize, plan, quantize_model
 from .conversion import convert
 
@@ -24,6 +25,6 @@ __all__ = [
     "load_into", "quantize_model", "materialize", "plan", "Checkpoint", "CheckpointWriter",
     "TensorProto", "to_tensor_proto", "slice_quantized",
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",
-    "NVFP4Quantizer", "from_te", "to_te",
+    "NVFP4Quantizer", "from_te", "to_te", "to_te_spec", "from_te_spec",
     "TeSerialError", "CheckpointError",
 ]

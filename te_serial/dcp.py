@@ -120,7 +120,7 @@ def _local_view(name: str, value: Any, *, loading: bool = False) -> _Local:
                                         bool(getattr(value, "requires_grad", False))), value, None, None)
     from .te_interop import from_te, is_te_tensor
     if is_te_tensor(value):
-        value = from_te(value)
+        value = from_te(value, name=name)
         return _Local(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer, False), value, None, None)
     if not isinstance(value, torch.Tensor):
         raise UnsupportedValueError(f"value at {name!r} is a {type(value).__name__}, not a tensor")
@@ -185,13 +185,14 @@ def _buffer_pieces(loc: _Local, *, loading: bool = False) -> dict[str, tuple[tup
 
 
 def _tensor_wide(q) -> set[str]:
-    """Buffers with one value for the whole tensor: scales without a block grid, amaxes."""
+    """Buffers with one value for the whole tensor: scales without a block grid, amaxes (not a
+    per-row amax, which is sharded with the rows)."""
     out = set()
     for u in q.usages_on():
         lay = q.usage_layout(u)
         if lay.grid is None:
             out.add(lay.scale)
-        if lay.amax is not None:
+        if lay.amax is not None and not lay.amax_rows:
             out.add(lay.amax)
     return out
 

@@ -6,6 +6,8 @@ Every rule here cites the TE kernel it reproduces (paths relative to TE's reposi
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -19,32 +21,50 @@ FP8_DTYPES = tuple(FP8_MAX)
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_MAX = 6.0
 
+# pack_fp4 / unpack_fp4 read byte pairs as int16 words, element 2i in the low byte
+assert sys.byteorder == "little", "te_serial's FP4 packing assumes a little-endian host"
+
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
     """The saturation bound of an FP8 dtype."""
     return FP8_MAX[fp8_dtype]
 
 
-def _f32(value: float) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32)
+def _f32(value: float, device=None) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def isnan(x: torch.Tensor) -> torch.Tensor:
+    """``x != x``: torch.isnan's rule, in a form inductor's CPU code generator vectorizes."""
+    return x != x
+
+
+def isinf(x: torch.Tensor) -> torch.Tensor:
+    """``|x| == inf``: torch.isinf's rule, in a form inductor's CPU code generator vectorizes."""
+    return x.abs() == float("inf")
 
 
 def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """max|x| in fp32 that skips NaN, as TE's ``fmaxf``/PTX ``max`` reductions do (0 if all NaN).
 
     TE: common/recipe/current_scaling.cu (amax_kernel), cast/mxfp8/quantize_mxfp8.cuh. The max
-    of |x| is one of the inputs, so it is taken in the input dtype (exact) and widened after;
-    the NaN-masking pass runs only when a NaN reached the result.
+    of |x| is one of the inputs, so it is taken in the input dtype (exact) and widened after.
+    Eager, the NaN-masking pass runs only when a NaN reached the result; compiled, the mask is
+    fused into the one reduction (no data-dependent branch).
     """
     if x.numel() == 0:  # amax of nothing is 0, in the shape the reduction would have
         if dim is None:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         return torch.zeros_like(x, dtype=torch.float32).sum(dim=dim, keepdim=keepdim)
-    a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=keepdim)
-    if bool(torch.isnan(a).any()):
-        masked = torch.where(torch.isnan(x), torch.zeros((), dtype=x.dtype, device=x.device), x.abs())
-        a = masked.amax() if dim is None else masked.amax(dim=dim, keepdim=keepdim)
-    return a.float()
+    a = x.abs()
+    if torch.compiler.is_compiling():
+        a = torch.where(a == a, a, torch.zeros((), dtype=x.dtype, device=x.device))
+        return (a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)).float()
+    m = a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+    if bool(isnan(m).any()):
+        masked = torch.where(isnan(x), torch.zeros((), dtype=x.dtype, device=x.device), a)
+        m = masked.amax() if dim is None else masked.amax(dim=dim, keepdim=keepdim)
+    return m.float()
 
 
 def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
@@ -55,6 +75,10 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
     NaN (±inf and the all-ones E4M3 code are out of range), so mapping it to 0x7F canonicalizes NaN.
     """
     m = FP8_MAX[fp8_dtype]
+    if torch.compiler.is_compiling():  # out of place: in-place ops and masked_fill_ stop inductor's fusion
+        y = x.float() * scale if scale is not None else x.float()
+        bits = y.clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+        return torch.where(bits == 0xFF, torch.full_like(bits, 0x7F), bits)
     y = x.to(torch.float32, copy=True)
     if scale is not None:
         y.mul_(scale)
@@ -76,13 +100,13 @@ def scale_from_amax(amax: torch.Tensor, max_fp8: float, *, force_pow_2_scales: b
     pow-2 → keep sign and exponent bits only (``& 0xFF800000``).
     """
     amax = amax.float()
-    eps = _f32(epsilon).to(amax.device)
+    eps = _f32(epsilon, amax.device)
     amax = torch.where(amax < eps, eps, amax)
-    scale = _f32(max_fp8).to(amax.device) / amax
-    scale = torch.where(torch.isinf(scale), _f32(value_for_inf).to(amax.device), scale)
+    scale = _f32(max_fp8, amax.device) / amax
+    scale = torch.where(isinf(scale), _f32(value_for_inf, amax.device), scale)
     if force_pow_2_scales:
         scale = (scale.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000
-    special = torch.isinf(amax) | torch.isnan(amax) | (amax == 0)
+    special = isinf(amax) | isnan(amax) | (amax == 0)
     return torch.where(special, torch.ones_like(scale), scale)
 
 
@@ -99,7 +123,7 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     TE: common/util/ptx_arch_spec.cuh. The exponent is rounded *up* (so the block max never
     saturates), saturates at 254; NaN → 255; 0 → 0; values ≤ 2^-127 → 0. Not the OCP floor rule.
     """
-    rcp = _f32(1.0 / FP8_MAX[fp8_dtype]).to(amax.device)  # constexpr float(1.0 / max_norm)
+    rcp = _f32(1.0 / FP8_MAX[fp8_dtype], amax.device)  # constexpr float(1.0 / max_norm)
     v = amax.float() * rcp
     bits = v.view(torch.int32)
     exponent = (bits >> 23) & 0xFF
@@ -107,8 +131,8 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
     e = exponent + round_up.to(torch.int32)
     e = torch.where(v == 0, torch.zeros_like(e), e)
-    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    e = torch.where(isinf(v), torch.full_like(e, 0xFE), e)
+    e = torch.where(isnan(v), torch.full_like(e, 0xFF), e)
     return e.to(torch.uint8)
 
 
@@ -147,9 +171,9 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     big = torch.clamp(rounded - 252, max=7)                          # 1.0 → code 2, 6.0 → 7
     small = torch.round(a * 2.0).to(torch.int32)                     # 0, 0.5, 1.0 → codes 0, 1, 2
     mag = torch.where(a >= 1.0, big, small)
-    nan = torch.isnan(x)
+    nan = isnan(x)
     mag = mag.masked_fill_(nan, 7).to(torch.uint8)
-    sign = (torch.signbit(x) & ~nan).to(torch.uint8) << 3
+    sign = ((x.view(torch.int32) < 0) & ~nan).to(torch.uint8) << 3  # the sign bit
     return mag | sign
 
 
@@ -161,16 +185,20 @@ def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes along the last dim, two per byte: element 2i in the low nibble."""
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    """Pack codes along the last dim, two per byte: element 2i in the low nibble.
+
+    Each pair is read as one little-endian int16 (element 2i its low byte): contiguous loads,
+    which compiled kernels vectorize (two strided byte loads would not be).
+    """
+    w = codes.contiguous().view(torch.int16)
+    return ((w & 0x0F) | ((w >> 4) & 0xF0)).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes, each byte widened to a
+    little-endian int16 holding (low nibble, high nibble) as its two bytes (no stack: fusable)."""
+    p = packed.to(torch.int16).contiguous()
+    return ((p & 0x0F) | ((p & 0xF0) << 4)).view(torch.uint8)
 
 
 # --- shared helpers ------------------------------------------------------------------------
@@ -188,6 +216,6 @@ def ceil_div(a: int, b: int) -> int:
 def pad_to(t: torch.Tensor, shape: tuple[int, ...], value: float = 0) -> torch.Tensor:
     """Pad a 2-D tensor at the bottom/right to ``shape`` with ``value`` (padding is zeroed)."""
     rows, cols = shape
-    if (rows, cols) == tuple(t.shape):
-        return t
+    if not torch.compiler.is_compiling() and (rows, cols) == tuple(t.shape):
+        return t  # (compiled, a no-op pad fuses away; testing for it would split shape classes)
     return torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]), value=value)

@@ -16,6 +16,7 @@ import torch
 from .dtypes import dtype_from_name, dtype_name
 from .errors import FormatError
 from .formats.base import BufferSpec, QuantizedTensorStorage, Quantizer, StorageMeta
+from .te_interop import from_te, is_te_tensor
 
 __all__ = ["TensorProto", "to_tensor_proto"]
 
@@ -97,7 +98,10 @@ class TensorProto:
 
 
 def to_tensor_proto(t: torch.Tensor | QuantizedTensorStorage) -> TensorProto:
-    """The prototype of a plain tensor, a te-serial quantized tensor or a bare storage."""
+    """The prototype of a plain tensor, a te-serial quantized tensor or a bare storage, or a TE
+    one (read by ``from_te``, which refuses TE's experimental classes)."""
+    if is_te_tensor(t):
+        t = from_te(t)
     if isinstance(t, QuantizedTensorStorage):
         if isinstance(t, torch.Tensor):
             return TensorProto(tuple(t.shape), t.dtype, t.quantizer, t.requires_grad, t.device)

@@ -35,6 +35,14 @@ RECIPES: dict[str, tuple[str, Callable[..., Quantizer]]] = {
               lambda **kw: NVFP4Quantizer(**kw)),
     "nvfp4_2d": ("NVFP4 E2M1, 16x16 tiles (TE's weight recipe)",
                  lambda **kw: NVFP4Quantizer(with_2d_quantization=True, **kw)),
+    "nvfp4_4over6": ("NVFP4 4over6: 16x16 tiles each map-to-4 or map-to-6 by MAE, E4M3 bound 256 "
+                     "(TE's weight recipe with nvfp4_4over6)",
+                     lambda **kw: NVFP4Quantizer(with_2d_quantization=True, nvfp4_use_4over6=True,
+                                                 nvfp4_e4m3_max=256, nvfp4_4over6_err_mode="MAE", **kw)),
+    "nvfp4_row_scaled": ("NVFP4 row-scaled: one fp32 amax per row, 1x16 blocks; rowwise only (TE's "
+                         "row-scaled kernels make no columnwise copy: a columnwise request is dropped)",
+                         lambda rowwise=True, columnwise=True: NVFP4Quantizer(row_scaled_nvfp4=True,
+                                                                              rowwise=True, columnwise=False)),
 }
 
 

@@ -5,9 +5,10 @@
 te-serial tensor with the same bytes: shared when TE's layout already is te-serial's, copied
 where it must change (swizzled scales are unswizzled, uninitialized scale padding is zeroed,
 Blackwell's ``_data``-only columnwise usage gets its transpose). ``to_te`` goes back to TE's
-class with TE's quantizer. What each format does is its adapter's (``formats/te_adapter.py``,
-registered by each format module); this module finds the adapter and imports TE lazily, so
-te-serial works without it.
+class with TE's quantizer. TE's experimental classes (``HybridQuantizedTensor``,
+``IdentityTensor``) are refused, never pickled or dequantized. What each format does is its
+adapter's (``formats/te_adapter.py``, registered by each format module); this module finds the
+adapter and imports TE lazily, so te-serial works without it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from .errors import FormatError, TeSerialError
 from .formats import QuantizedTensorStorage, Quantizer
-from .formats.te_adapter import TE_ADAPTERS, TEAdapter
+from .formats.te_adapter import TE_ADAPTERS, TE_EXPERIMENTAL, TEAdapter, find_te_adapter
 
 
 class TransformerEngineUnavailable(TeSerialError, ImportError):
@@ -53,13 +54,6 @@ class _TE:
         return _te_module(name)
 
 
-def _te_adapter(t: Any) -> TEAdapter | None:
-    for c in type(t).__mro__:
-        if c.__module__.startswith("transformer_engine.") and c.__name__ in TE_ADAPTERS:
-            return TE_ADAPTERS[c.__name__]
-    return None
-
-
 def _q_adapter(q: Quantizer) -> TEAdapter:
     adapter = type(q).te_adapter
     if adapter is None:
@@ -68,15 +62,18 @@ def _q_adapter(q: Quantizer) -> TEAdapter:
 
 
 def is_te_tensor(t: Any) -> bool:
-    """True for TE's quantized tensor and storage classes (checked by class, without importing TE)."""
-    return _te_adapter(t) is not None
+    """True for TE's quantized tensor and storage classes, experimental ones included (by class
+    name, without importing TE): callers hand ``t`` to :func:`from_te`, which refuses those."""
+    return any(c.__module__.startswith("transformer_engine.")
+               and (c.__name__ in TE_ADAPTERS or c.__name__ in TE_EXPERIMENTAL) for c in type(t).__mro__)
 
 
-def from_te(t: Any) -> QuantizedTensorStorage:
-    """The te-serial tensor holding exactly the bytes of a TE quantized tensor or storage."""
+def from_te(t: Any, *, name: str | None = None) -> QuantizedTensorStorage:
+    """The te-serial tensor holding exactly the bytes of a TE quantized tensor or storage; TE's
+    experimental classes are refused with an ``UnsupportedValueError`` (``name`` names ``t``)."""
     if isinstance(t, QuantizedTensorStorage):
         return t
-    adapter = _te_adapter(t)
+    adapter = find_te_adapter(t, name=name)
     if adapter is None:
         raise FormatError(f"{type(t).__name__} is not a TE quantized tensor")
     if isinstance(t, torch.Tensor):
@@ -99,6 +96,8 @@ def to_te(t: QuantizedTensorStorage) -> Any:
         raise FormatError(f"to_te needs a te-serial quantized tensor, got {type(t).__name__}")
     q = t.quantizer
     adapter, te = _q_adapter(q), _TE()
+    if hasattr(adapter, "to_te"):  # a class TE builds itself (GroupedTensor: formats/grouped.py)
+        return adapter.to_te(t, te)
     b = t.buffers()
     cls = getattr(te.module(adapter.te_module), adapter.te_tensor)
     return cls(shape=tuple(t.logical_shape), dtype=t.fake_dtype, quantizer=adapter.te_quantizer(q, te),

@@ -99,6 +99,7 @@ _MODULES = {
     "mxfp8_tensor": "transformer_engine.pytorch.tensor.mxfp8_tensor",
     "float8_blockwise_tensor": "transformer_engine.pytorch.tensor.float8_blockwise_tensor",
     "nvfp4_tensor": "transformer_engine.pytorch.tensor.nvfp4_tensor",
+    "grouped_tensor": "transformer_engine.pytorch.tensor.grouped_tensor",
 }
 _REF_NVFP4 = "transformer_engine.pytorch.custom_recipes.reference_nvfp4"
 
@@ -243,6 +244,11 @@ def _patch_cuda_queries(state: dict, mods: Dict[str, types.ModuleType]) -> None:
         method = quantizer_cls.__dict__[attr]
         state["patches"].append((quantizer_cls, attr, method))
         setattr(quantizer_cls, attr, _on_cpu(method))
+    # TE's grouped split builds each member without a device (torch.cuda.current_device())
+    grouped_cls = mods["grouped_tensor"].GroupedTensorStorage
+    method = grouped_cls.__dict__["split_into_quantized_tensors"]
+    state["patches"].append((grouped_cls, "split_into_quantized_tensors", method))
+    grouped_cls.split_into_quantized_tensors = _on_cpu(method)
 
 
 def _namespace(mods, ref_nvfp4, fake: bool) -> types.SimpleNamespace:
@@ -270,6 +276,8 @@ def _namespace(mods, ref_nvfp4, fake: bool) -> types.SimpleNamespace:
         NVFP4Tensor=nv.NVFP4Tensor,
         NVFP4TensorStorage=nv.NVFP4TensorStorage,
         NVFP4Quantizer=nv.NVFP4Quantizer,
+        GroupedTensor=mods["grouped_tensor"].GroupedTensor,
+        GroupedTensorStorage=mods["grouped_tensor"].GroupedTensorStorage,
         reference_nvfp4=ref_nvfp4,
         modules=types.SimpleNamespace(**mods),
     )

@@ -1,6 +1,7 @@
 """Bit-exactness of every format against the independent oracle in tests/reference.
 
-Every format × usage × FP8 dtype × input dtype, on 2-D and 3-D shapes (blockwise and per-tensor
+The eager path (tests/test_fused.py runs the compiled path against the same table). Every
+format × usage × FP8 dtype × input dtype, on 2-D and 3-D shapes (blockwise and per-tensor
 also on shapes that are not multiples of the block), on random, all-zero, tiny, outlier-heavy
 and inf/NaN inputs: each buffer's bytes must equal the oracle's, and dequantize must equal the
 oracle's dequantize and stay within the format's error bound.
@@ -81,14 +82,14 @@ def test_bytes_equal_oracle(case, shape, usage, in_dtype):
     q = make_q(r, c)
     for kind in INPUT_KINDS:
         x = make_input(kind, shape, in_dtype, seed=hash((name, shape)) % 1000)
-        t = q.quantize(x)
+        t = q.quantize(x, eager=True)  # the eager path; tests/test_fused.py checks the compiled one
         where = f"{name} {shape} {usage} {in_dtype} {kind}"
         want = make_ref(x, r, c)
         assert_same_buffers(t.buffers(), want, where)
         # our dequantize equals the oracle's dequantize of the same buffers, bit for bit
         fields = {f: getattr(q, f) for f in ("fp8_dtype", "block_scaling_dim", "with_rht")
                   if hasattr(q, f)}
-        dq = t.dequantize(torch.float32)
+        dq = t.dequantize(torch.float32, eager=True)
         want_dq = ref.ref_dequantize(fmt, want, tuple(shape), **fields)
         assert same_values(dq, want_dq.float()), where
 

@@ -352,6 +352,53 @@ def case_nvfp4_rht_columnwise() -> dict:
     }
 
 
+def case_grouped_moe() -> dict:
+    """MoE experts packed in grouped tensors (format 1.3, TE's GroupedTensor): MXFP8 experts of one
+    shape, rowwise NVFP4 experts with different row counts, columnwise current-scaling FP8 experts
+    with different column counts, blockwise FP8 experts of different shapes, plain BF16 experts."""
+    G = tsf.GroupedTensor.from_members
+    mx, nv = ts.MXFP8Quantizer(), ts.NVFP4Quantizer(columnwise=False)
+    cs, bw = ts.Float8CurrentScalingQuantizer(rowwise=False), ts.Float8BlockQuantizer(block_scaling_dim=2)
+    return {"model": {"layers": [{"mlp": {"experts": {
+        "linear_fc1": {"weight": G([mx(make_input((32, 64), 110 + i, zero_tile=i == 0, tiny_tile=i == 1,
+                                                  outliers=i == 2)) for i in range(3)])},
+        "linear_fc2": {"weight": G([nv(make_input((r, 32), 120 + i, outliers=True)) for i, r in enumerate((32, 16, 48))])},
+    }}}, {"mlp": {"experts": {
+        "linear_fc1": {"weight": G([cs(make_input((32, c), 130 + i)) for i, c in enumerate((48, 16))])},
+        "linear_fc2": {"weight": G([bw(make_input(s, 140 + i, zero_tile=i == 0)) for i, s in enumerate(((40, 24), (8, 130)))])},
+        "bias": G([make_input((16,), 150 + i) for i in range(4)]),
+    }}}]}}
+
+
+def case_nvfp4_row_scaled() -> dict:
+    """Row-scaled NVFP4 (format 1.3): ``_amax_rowwise`` holds one amax per row; rowwise only. An
+    all-zero row (amax 0), a zero tile, a 2^-100 tile and outliers; 3-D fp32; with 4over6 (MSE, 256)."""
+    Q = ts.NVFP4Quantizer
+    x = make_input((32, 32), 160, torch.bfloat16, zero_tile=True, tiny_tile=True, outliers=True)
+    x[20] = 0.0
+    return {
+        "layers": [{"act": Q(row_scaled_nvfp4=True, columnwise=False)(x)}],
+        "proj": Q(row_scaled_nvfp4=True, columnwise=False)(make_input((2, 16, 32), 161, torch.float32, scale=7.0)),
+        "four_over_six": Q(row_scaled_nvfp4=True, columnwise=False, nvfp4_use_4over6=True, nvfp4_e4m3_max=256,
+                           nvfp4_4over6_err_mode="MSE")(make_input((16, 48), 162, torch.float16, outliers=True)),
+    }
+
+
+def case_nvfp4_4over6() -> dict:
+    """4over6 NVFP4 (format 1.3): TE's 4over6 weight recipe (16x16 tiles, MAE, E4M3 bound 256), and
+    1x16 / MSE / bound 448, rowwise-only and columnwise-only tensors."""
+    Q = ts.NVFP4Quantizer
+    four = {"nvfp4_use_4over6": True}
+    return {
+        "layers": [{"weight": Q(with_2d_quantization=True, nvfp4_e4m3_max=256, **four)(
+            make_input((32, 32), 170, torch.bfloat16, zero_tile=True, tiny_tile=True, outliers=True))}],
+        "mse_448": Q(nvfp4_4over6_err_mode="MSE", **four)(make_input((2, 16, 32), 171, torch.float32, scale=7.0)),
+        "columnwise_only": Q(rowwise=False, with_2d_quantization=True, nvfp4_e4m3_max=256, nvfp4_4over6_err_mode="MSE",
+                             **four)(make_input((32, 16), 172, torch.float16)),
+        "rowwise_only": Q(columnwise=False, nvfp4_e4m3_max=256, **four)(make_input((16, 32), 173, torch.bfloat16)),
+    }
+
+
 def case_no_checksums() -> dict:
     """Saved with checksums=False: the manifest's tensors.checksums is nil."""
     return {
@@ -473,6 +520,13 @@ CASES: dict[str, Case] = {
                          save={"checksums": False}),
     "extra_state_enum": Case(case_extra_state_enum, "TE delayed-scaling _extra_state (msgpack ext type 3) with "
                              "an enum-valued recipe field", (1, 1)),
+    # format 1.3
+    "nvfp4_row_scaled": Case(case_nvfp4_row_scaled, "row-scaled NVFP4 (one amax per row, rowwise only; with "
+                             "4over6 too)", (1, 3)),
+    "nvfp4_4over6": Case(case_nvfp4_4over6, "4over6 NVFP4: 16x16 tiles with E4M3 bound 256 (TE's recipe), 1x16 "
+                         "MSE with 448, rowwise-only and columnwise-only", (1, 3)),
+    "grouped_moe": Case(case_grouped_moe, "grouped (MoE) tensors: MXFP8, NVFP4, current-scaling FP8, blockwise FP8 "
+                        "and plain BF16 experts, equal and different member shapes", (1, 3)),
 }
 
 

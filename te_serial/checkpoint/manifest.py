@@ -31,14 +31,19 @@ import xxhash
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ManifestError, TeSerialError, VersionError
 from ..formats.base import Quantizer, resolve_storage
+from ..formats.grouped import GROUPED_BUFFERS, GroupedQuantizer
 from ..formats.slicing import region_views
 from ..proto import TensorProto
 from . import tree as tree_mod
 
 FORMAT = "te-serial"
-VERSION = (1, 2)
+VERSION = (1, 3)
 #: the format version that added chunked tensors (``tensors.chunks``, schema/README.md §13)
 CHUNKS_VERSION = (1, 2)
+#: the format version that added grouped (MoE) tensors (quantizer kind ``grouped``, schema/README.md §14)
+GROUPED_VERSION = (1, 3)
+#: most members all grouped quantizers of one manifest may list together (each costs a prototype check)
+MAX_GROUPED_MEMBERS = 1 << 16
 MANIFEST_NAME = "te_serial.msgpack"
 HEADER_KEY = "te_serial.manifest"
 SCHEMA_FILE = "manifest-v1.schema.json"
@@ -451,6 +456,7 @@ class _Decoder:
             files[f["name"]] = f["size"]
         if files:
             self.file_bytes = sum(files.values())
+        self.check_grouped(doc)
         bad_quantizers: dict[int, str] = {}
         quantizers: list[Quantizer | None] = []
         for i, qd in enumerate(doc["quantizers"]):
@@ -585,14 +591,15 @@ class _Decoder:
 
     def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
         """No two stored buffers share a safetensors key. Buffer names hold no dot, so the only way
-        is a plain tensor named ``<quantized tensor>.<one of its buffers>``."""
+        is a plain tensor named ``<quantized tensor>.<one of its buffers>`` (``_<name>``, or a grouped
+        tensor's TE names such as ``rowwise_data``)."""
         position = None
         for i, name in enumerate(names):
             p = protos[proto_index[i]] if name not in skipped else None
             if p is None or p.quantizer is not None or i in aliases or "." not in name:
                 continue
             prefix, suffix = name.rsplit(".", 1)
-            if not suffix.startswith("_"):
+            if not (suffix.startswith("_") or suffix in GROUPED_BUFFERS):
                 continue
             position = position or {n: j for j, n in enumerate(names)}
             j = position.get(prefix)
@@ -673,6 +680,23 @@ class _Decoder:
                 protos.append(None)
                 bad[i] = str(e)
         return protos, bad
+
+    def check_grouped(self, doc: dict) -> None:
+        """Grouped quantizers need format 1.3, and all of them together list at most
+        :data:`MAX_GROUPED_MEMBERS` members (checked before any is parsed)."""
+        grouped = [i for i, qd in enumerate(doc["quantizers"]) if qd["kind"] == GroupedQuantizer.kind]
+        if not grouped:
+            return
+        if tuple(doc["version"]) < GROUPED_VERSION:
+            self.fail(f"grouped tensors need format {GROUPED_VERSION[0]}.{GROUPED_VERSION[1]}, the manifest says "
+                      f"{doc['version'][0]}.{doc['version'][1]}", field=f"quantizers/{grouped[0]}")
+        total = 0
+        for i in grouped:
+            shapes = doc["quantizers"][i].get("member_shapes")
+            total += len(shapes) if isinstance(shapes, list) else 0
+            if total > MAX_GROUPED_MEMBERS:
+                self.fail(f"grouped quantizers list more than {MAX_GROUPED_MEMBERS} members together",
+                          field=f"quantizers/{i}/member_shapes")
 
     def check_version(self, doc: dict) -> None:
         if doc.get("format") != FORMAT:

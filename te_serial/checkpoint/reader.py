@@ -23,6 +23,7 @@ from ..dtypes import safetensors_code
 from ..errors import ChecksumError, CheckpointError, CheckpointFileError, ManifestError, TensorMismatchError
 from ..errors import ShapeError
 from ..formats.base import QuantizedTensorStorage, flatten_2d
+from ..formats.grouped import GroupedQuantizer
 from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import SafetensorsFile, checksum, open_regular
@@ -258,7 +259,7 @@ class Checkpoint:
         return out
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,
-            mmap: bool = True, rows=None, cols=None) -> torch.Tensor:
+            mmap: bool = True, rows=None, cols=None, member: int | None = None) -> torch.Tensor:
         """One tensor, reading only its own buffers.
 
         ``rows=(r0, r1)`` / ``cols=(c0, c1)`` (TE's 2-D view: rows are the leading dims
@@ -267,9 +268,21 @@ class Checkpoint:
         equals ``te_serial.slice_quantized`` of the whole tensor (a plain tensor: the same range,
         shaped as ``slice_quantized`` shapes it). With ``verify``, every stored piece the range
         touches is read whole to check its checksum.
+
+        ``member=i`` of a grouped (MoE) tensor reads only expert ``i``'s bytes and returns that
+        member (a quantized tensor of the member format, or a plain tensor).
         """
         if name not in self.manifest.tensors:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
+        grouped = isinstance(self._protos[name].quantizer, GroupedQuantizer)
+        if member is not None or (grouped and (rows is not None or cols is not None)):
+            if not grouped or rows is not None or cols is not None:
+                raise CheckpointError("member= reads one member of a grouped tensor, and a grouped tensor is "
+                                      "read whole or by member= (not rows= / cols=)", file=str(self.path),
+                                      tensor=name)
+            out = self._get_member(name, member, verify)
+            device = torch.device(device)
+            return out if device.type == "cpu" else out.to(device)
         if rows is not None or cols is not None:
             out = self._get_slice(name, rows, cols, verify)
             device = torch.device(device)
@@ -335,6 +348,18 @@ class Checkpoint:
             else:
                 dst.copy_(self._file(pc.file).read_box(pc.key, pc.array, within, extent))
         return out
+
+    def _get_member(self, name: str, i: int, verify: bool) -> torch.Tensor:
+        """Member ``i`` of a grouped tensor, reading only its range of each packed buffer."""
+        proto = self._protos[name]
+        q = proto.quantizer
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < q.num_tensors:
+            raise CheckpointError(f"member {i!r} out of range: the group has {q.num_tensors} members",
+                                  file=str(self.path), tensor=name)
+        ranges = q.member_ranges(i)
+        parts = {buf.name: self.read_region(name, buf, (ranges[buf.name][0],), (ranges[buf.name][1],), verify=verify)
+                 for buf in self.pieces(name)}
+        return q.assemble_member(i, parts, proto.dtype, requires_grad=proto.requires_grad)
 
     def _get_slice(self, name: str, rows, cols, verify: bool) -> torch.Tensor:
         proto = self._protos[name]

@@ -70,8 +70,8 @@ def producer() -> dict[str, Any]:
 
 def stored_buffers(name: str, t: Any) -> tuple[TensorProto, dict[str, torch.Tensor]]:
     """(prototype, {buffer: tensor viewed as its stored dtype}) of a plain, te-serial or TE tensor."""
-    if is_te_tensor(t):  # TE's own classes: converted on the way in, same bytes
-        t = from_te(t)
+    if is_te_tensor(t):  # TE's own classes: converted on the way in, same bytes; experimental ones refused
+        t = from_te(t, name=name)
     proto = to_tensor_proto(t)
     proto = TensorProto(proto.shape, proto.dtype, proto.quantizer, proto.requires_grad)
     if isinstance(t, QuantizedTensorStorage):

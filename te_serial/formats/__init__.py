@@ -5,6 +5,7 @@ from .base import (COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, STORAGE_REGISTRY, Bu
                    resolve_quantizer, resolve_storage)
 from .blockwise import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
+from .grouped import GroupedQuantizer, GroupedTensor, GroupedTensorStorage
 from .mxfp8 import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .nvfp4 import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .slicing import slice_quantized
@@ -18,6 +19,7 @@ __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
     "Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "Float8TensorStorage",
     "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
+    "GroupedQuantizer", "GroupedTensor", "GroupedTensorStorage",
     "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
     "swizzle_scales", "unswizzle_scales",
 ]

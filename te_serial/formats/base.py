@@ -4,9 +4,9 @@ A format module declares three things once and everything else follows from them
 
 * its storage class's ``BUFFERS`` (TE's inner buffer attribute names, in flatten order),
 * its quantizer's ``_buffer_specs(shape)`` (the one place its buffer shapes and dtypes are written),
-* its quantizer's numerics: ``_prepare`` (tensor-wide quantities such as a per-tensor amax),
-  ``_quantize_rows`` (one chunk of rows, written into the preallocated buffers) and
-  ``_dequantize``;
+* its quantizer's numerics, pure tensor functions: ``_prepare`` (tensor-wide quantities such as
+  a per-tensor amax), ``_quantize_rows`` (whole 128-row groups → each usage's data and scale grid,
+  placed into the buffers here from ``usage_layout``) and ``_dequantize``;
 * its rules (the protocol below): ``usage_layout`` (where each usage's data, scales and amax sit),
   ``layout_key`` / ``layout_name`` (what defines the bytes), ``exact_output`` / ``derivable`` /
   ``derive`` (which usages and formats it converts to exactly) and ``te_adapter`` (TE's classes).
@@ -14,9 +14,10 @@ A format module declares three things once and everything else follows from them
 Valid scale regions, block scale grids, slicing and relayouts follow from ``usage_layout`` here,
 so nothing outside ``formats/`` needs to know a format's kind.
 
-Quantization runs over chunks of whole 128-row groups (every format's blocks fit inside one), so
-intermediates stay cache-sized: on CPU that is several times faster than whole-tensor ops, whose
-fresh allocations are bound by page faults.
+The same numerics run two ways (``formats/fused.py`` chooses): compiled by ``torch.compile`` over
+the whole tensor (a few fused loops), or eager over chunks of whole 128-row groups (every format's
+blocks fit inside one), so intermediates stay cache-sized: on CPU that is several times faster
+than whole-tensor eager ops, whose fresh allocations are bound by page faults.
 
 Allocation (``alloc_tensors``), validation (``check_buffers``), flatten/unflatten, device moves,
 ``repr`` and the registries are generic.
@@ -24,6 +25,7 @@ Allocation (``alloc_tensors``), validation (``check_buffers``), flatten/unflatte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, ClassVar, Mapping, NamedTuple
@@ -32,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .. import numerics as nx
+from . import fused
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (BufferMismatchError, FormatError, ShapeError, UnknownQuantizerError,
                       UnknownStorageError, UnsupportedOperationError)
@@ -65,7 +68,9 @@ class UsageLayout(NamedTuple):
     scale over its grid cells). Data is stored as [M, K] or, ``transposed``, as [K, M]
     (``(S[-1], *S[:-1])``), with ``pack`` elements per byte along its last dim. The scale grid
     [ceil(M / rows), ceil(K / cols)] sits at the top left of the scale buffer, transposed if
-    ``scale_transposed``; the rest of the buffer is zero padding.
+    ``scale_transposed``; the rest of the buffer is zero padding. The ``amax`` buffer holds one
+    fp32 value for the whole tensor, or with ``amax_rows`` one per row of [M, K] (row-scaled
+    NVFP4), which a slice of rows slices too.
     """
 
     data: str
@@ -76,6 +81,7 @@ class UsageLayout(NamedTuple):
     transposed: bool = False
     scale_transposed: bool = False
     pack: int = 1
+    amax_rows: bool = False
 
     @property
     def block(self) -> tuple[int, int] | None:
@@ -177,6 +183,8 @@ class Quantizer:
 
     #: stable registry name written into checkpoints
     kind: ClassVar[str] = ""
+    #: fields added by a later minor format version: written only when not at their default
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset()
     #: class returned by ``quantize(internal=True)`` and ``quantize()`` respectively
     storage_class: ClassVar[type["QuantizedTensorStorage"]]
     tensor_class: ClassVar[type["QuantizedTensor"]]
@@ -286,6 +294,15 @@ class Quantizer:
     def layout_name(self) -> str:
         """A descriptive name of the layout for reports, e.g. ``mxfp8_2d_e4m3``."""
         return self.kind
+
+    def default_usages(self) -> tuple[bool, bool]:
+        """(rowwise, columnwise) a recipe target gets for a tensor of this format, unless told: its own."""
+        return self.rowwise, self.columnwise
+
+    def for_target(self, target: "Quantizer") -> "Quantizer":
+        """The quantizer a tensor of this format gets when a recipe names ``target``: ``target``
+        itself, except for containers (a grouped tensor keeps its members, each in ``target``)."""
+        return target
 
     def exact_output(self, target: "Quantizer") -> "Quantizer | None":
         """The quantizer of an exact (or partly exact) conversion from this format into ``target``'s
@@ -454,44 +471,137 @@ class Quantizer:
     #: target fp32 bytes of one chunk
     CHUNK_BYTES: ClassVar[int] = 1 << 20
 
-    def _prepare(self, x2: torch.Tensor, out: dict[str, torch.Tensor]) -> Any:
-        """Tensor-wide pass before the chunks (e.g. amax → scale); may fill scalar buffers."""
-        return None
+    def fusable(self) -> bool:
+        """Whether this quantizer's numerics are pure tensor functions that ``formats/fused.py`` may
+        compile (bit-exactly); formats opt in."""
+        return False
 
-    def _quantize_rows(self, xc: torch.Tensor, r0: int, state: Any,
-                       out: dict[str, torch.Tensor], m: int) -> None:
-        """Quantize rows ``r0 : r0 + len(xc)`` of the 2-D input ``[M, K]`` into ``out``."""
+    def _kernel_args(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Fields that vary from tensor to tensor (delayed scaling's scale) as tensors, handed to
+        ``_prepare``: inputs of a compiled kernel rather than constants that would recompile it."""
+        return {}
+
+    def _prepare(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Tensor-wide pass over the 2-D input [M, K] before the rows: (state for ``_quantize_rows``,
+        whole-tensor buffers such as a per-tensor ``scale_inv`` or ``amax``, in their spec shapes)."""
+        return None, {}
+
+    def _quantize_rows(self, xc: torch.Tensor, state: Any) -> dict[str, torch.Tensor]:
+        """Quantize whole 128-row groups ``xc`` [R, K] (a pure function): per enabled usage (see
+        ``usage_layout``) its data, [R, K / pack] or if ``transposed`` [K, R / pack], and for a
+        block-scaled usage its scale grid [R / grid rows, K / grid cols], never transposed; an
+        ``amax_rows`` amax as [R]."""
         raise NotImplementedError
 
+    def _parts(self) -> dict[str, tuple[str, UsageLayout]]:
+        """Buffer name → (role, usage layout) for what ``_quantize_rows`` returns."""
+        out = {}
+        for u in self.usages_on():
+            lay = self.usage_layout(u)
+            out[lay.data] = ("data", lay)
+            if lay.grid is not None:
+                out[lay.scale] = ("scale", lay)
+            if lay.amax is not None and lay.amax_rows:
+                out[lay.amax] = ("amax", lay)
+        return out
+
+    def _quantize_2d(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensor in one pass (what ``fused`` compiles): 2-D data, zero-padded scales."""
+        specs = self.describe_buffers(tuple(x2.shape))
+        state, out = self._prepare(x2, args)
+        roles = self._parts()
+        for name, part in self._quantize_rows(x2, state).items():
+            role, lay = roles[name]
+            if role == "scale":
+                g = part.t() if lay.scale_transposed else part
+                rows, cols = specs[name].shape
+                part = torch.nn.functional.pad(g, (0, cols - g.shape[1], 0, rows - g.shape[0]))
+            out[name] = part.contiguous()
+        return out
+
+    def _place_rows(self, out: dict[str, torch.Tensor], parts: Mapping[str, torch.Tensor], r0: int,
+                    m: int, k: int) -> None:
+        """Write one chunk's ``_quantize_rows`` output (rows from ``r0``) into the buffers."""
+        roles = self._parts()
+        for name, part in parts.items():
+            role, lay = roles[name]
+            if role == "data":
+                if lay.transposed:
+                    n = part.shape[1]
+                    out[name].view(k, m // lay.pack)[:, r0 // lay.pack: r0 // lay.pack + n] = part
+                else:
+                    out[name].view(m, k // lay.pack)[r0:r0 + part.shape[0]] = part
+            elif role == "amax":
+                out[name][r0:r0 + part.shape[0]] = part
+            else:
+                g0, (gr, gc) = r0 // lay.grid[0], part.shape
+                if lay.scale_transposed:
+                    out[name][:gc, g0:g0 + gr] = part.t()
+                else:
+                    out[name][g0:g0 + gr, :gc] = part
+
     def _quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Allocate the buffers (scales zeroed, so padding is zero) and fill them chunk by chunk."""
+        """The buffers of ``x``: compiled over the whole tensor where ``fused`` says so, else eager
+        over chunks of whole 128-row groups (cache-sized intermediates) into preallocated buffers."""
         shape = tuple(x.shape)
         m, k = flatten_2d(shape)
+        specs = self.describe_buffers(shape)
+        x2 = x.reshape(m, k)
+        args = self._kernel_args(x.device)
+        if fused.wants_fused(x.numel(), x.device, self.fusable()):
+            got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
+                            self, x2.detach(), args)  # detach: no view of x, whose strides would be guarded
+            if got is not None:
+                return {n: got[n].reshape(specs[n].shape) for n in specs}
         out = {}
-        for name, spec in self.describe_buffers(shape).items():
+        for name, spec in specs.items():
             make = torch.empty if name.endswith(("_data", "_transpose")) else torch.zeros
             out[name] = make(spec.shape, dtype=spec.dtype, device=x.device)
-        x2 = x.reshape(m, k)
-        state = self._prepare(x2, out)
+        state, whole = self._prepare(x2, args)
+        for name, t in whole.items():
+            out[name].copy_(t)
         rows = max(self.ROW_GROUP, self.CHUNK_BYTES // (4 * max(k, 1)) // self.ROW_GROUP * self.ROW_GROUP)
         for r0 in range(0, m, rows):
-            self._quantize_rows(x2[r0:r0 + rows], r0, state, out, m)
+            self._place_rows(out, self._quantize_rows(x2[r0:r0 + rows], state), r0, m, k)
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """fp32 values of ``shape`` from the buffers (a pure function; ``fused`` may compile it)."""
         raise NotImplementedError
 
+    def dequantize_buffers(self, buffers: Mapping[str, torch.Tensor], shape, dtype: torch.dtype, *,
+                           eager: bool | None = None) -> torch.Tensor:
+        """The values the buffers hold, as ``dtype`` (fp32 math, as TE): compiled where ``fused``
+        says so, else eager."""
+        shape = torch.Size(shape)
+        device = _first_buffer(buffers).device
+        if fused.wants_fused(math.prod(shape), device, self.fusable(), eager):
+            m, k = flatten_2d(tuple(shape))
+            flat = dict(buffers)  # data as 2-D [M, K / pack] or [K, M / pack]: one graph for any rank
+            for u in USAGES:
+                lay = self.usage_layout(u)
+                if lay.data in flat:
+                    flat[lay.data] = flat[lay.data].reshape((k, m // lay.pack) if lay.transposed
+                                                            else (m, k // lay.pack)).detach()
+            got = fused.run(_dequantize_whole, ("dequantize", self.kind, device.type, dtype),
+                            self, flat, (m, k), dtype)
+            if got is not None:
+                return got.reshape(shape)
+        return self._dequantize(dict(buffers), shape).to(dtype)
+
     def quantize(self, x: torch.Tensor, *, fake_dtype: torch.dtype | None = None,
-                 internal: bool = False) -> "QuantizedTensorStorage":
-        """Quantize ``x`` with TE's numerics; a wrapper tensor (or bare storage if ``internal``)."""
+                 internal: bool = False, eager: bool | None = None) -> "QuantizedTensorStorage":
+        """Quantize ``x`` with TE's numerics; a wrapper tensor (or bare storage if ``internal``).
+        Compiled where ``formats/fused.py``'s policy says so; ``eager=True`` forces the eager path."""
         if isinstance(x, QuantizedTensorStorage):
-            x = x.dequantize()
+            x = x.dequantize(eager=eager)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise FormatError(f"{type(self).__name__}.quantize needs a floating-point tensor, "
                               f"got {getattr(x, 'dtype', type(x))}")
         shape = tuple(x.shape)
         self.check_shape(shape)
-        buffers = self._quantize(x.detach())
+        with fused.policy("eager") if eager else contextlib.nullcontext():
+            buffers = self._quantize(x.detach())
         cls = self.storage_class if internal else self.tensor_class
         return cls(shape, fake_dtype or x.dtype, self, **buffers)
 
@@ -499,10 +609,15 @@ class Quantizer:
 
     # --- serialization --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON/msgpack-ready fields: ``{"kind": ..., field: value}`` with dtypes by name."""
+        """JSON/msgpack-ready fields: ``{"kind": ..., field: value}`` with dtypes by name. Fields a
+        later format version added (:attr:`LATER_FIELDS`) are left out at their defaults, so an older
+        reader still reads every tensor that does not use them."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in dataclasses.fields(self):
-            out[f.name] = _encode_field(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.name in self.LATER_FIELDS and value == f.default:
+                continue
+            out[f.name] = _encode_field(value)
         return out
 
     @staticmethod
@@ -529,6 +644,17 @@ class Quantizer:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
             raise FormatError(f"bad fields for {cls.__name__}: {e}") from None
+
+
+def _quantize_whole(q: Quantizer, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What ``fused`` compiles for quantize: the format's own numerics over the whole 2-D tensor."""
+    return q._quantize_2d(x2, args)
+
+
+def _dequantize_whole(q: Quantizer, buffers: dict[str, torch.Tensor], shape: tuple[int, ...],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """What ``fused`` compiles for dequantize: the format's ``_dequantize`` and the cast to ``dtype``."""
+    return q._dequantize(buffers, torch.Size(shape)).to(dtype)
 
 
 def _first_buffer(buffers: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
@@ -592,10 +718,11 @@ class QuantizedTensorStorage:
     def quantized_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers().values())
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision values (fp32 math, as TE), as ``dtype`` (default: nominal dtype)."""
-        out = self._quantizer._dequantize(self.buffers(), self._logical_shape)
-        return out.to(dtype or self._fake_dtype)
+    def dequantize(self, dtype: torch.dtype | None = None, *, eager: bool | None = None) -> torch.Tensor:
+        """The high-precision values (fp32 math, as TE), as ``dtype`` (default: nominal dtype);
+        compiled where ``formats/fused.py``'s policy says so, ``eager=True`` forces the eager path."""
+        return self._quantizer.dequantize_buffers(self.buffers(), self._logical_shape,
+                                                  dtype or self._fake_dtype, eager=eager)
 
     # --- flatten protocol -----------------------------------------------------------------------
     def __tensor_flatten__(self) -> tuple[list[str], StorageMeta]:

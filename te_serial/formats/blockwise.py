@@ -18,7 +18,7 @@ from .. import numerics as nx
 from ..errors import FormatError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
-from .te_adapter import TE_FP8_CODE, TEAdapter, register_te_adapter, te_fp8_dtype
+from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
 BLOCK = 128
 
@@ -140,30 +140,29 @@ class Float8BlockQuantizer(Quantizer):
                                   epsilon=self.amax_epsilon,
                                   value_for_inf=torch.finfo(input_dtype).max)
 
-    def _quantize_rows(self, xc, r0, state, out, m):
-        rows, k = xc.shape
-        r1, b0 = r0 + rows, r0 // BLOCK
-        if self.block_scaling_dim == 2:
+    def fusable(self) -> bool:
+        return True
+
+    def _quantize_rows(self, xc, state):
+        out = {}
+        if self.block_scaling_dim == 2:  # the columnwise copy is the exact transpose, same tile grid
             scale = self._scale(_blocks_amax(xc, BLOCK, BLOCK), xc.dtype)
-            q = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype)
-            scale_inv = nx.reciprocal(scale)
-            b1, kb = b0 + scale.shape[0], scale.shape[1]
+            q, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
             if self.rowwise:
-                out["_rowwise_data"].view(m, k)[r0:r1] = q
-                out["_rowwise_scale_inv"][b0:b1, :kb] = scale_inv
-            if self.columnwise:  # the exact transpose, scales transposed
-                out["_columnwise_data"].view(k, m)[:, r0:r1] = q.t()
-                out["_columnwise_scale_inv"][:kb, b0:b1] = scale_inv.t()
-            return
-        if self.rowwise:  # 1×128 along K; scales stored transposed: [ceil(K/128), roundup(M,4)]
+                out["_rowwise_data"], out["_rowwise_scale_inv"] = q, scale_inv
+            if self.columnwise:
+                out["_columnwise_data"], out["_columnwise_scale_inv"] = q.t(), scale_inv
+            return out
+        if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
             scale = self._scale(_blocks_amax(xc, 1, BLOCK), xc.dtype)
-            out["_rowwise_data"].view(m, k)[r0:r1] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
-            out["_rowwise_scale_inv"][: scale.shape[1], r0:r1] = nx.reciprocal(scale).t()
-        if self.columnwise:  # transposed data [K, M], 1×128 along M; scales [ceil(M/128), roundup(K,4)]
+            out["_rowwise_data"] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
+            out["_rowwise_scale_inv"] = nx.reciprocal(scale)
+        if self.columnwise:  # transposed data [K, R], 1×128 along M: grid [ceil(R/128), K]
             xt = xc.t()
             scale = self._scale(_blocks_amax(xt, 1, BLOCK), xc.dtype)
-            out["_columnwise_data"].view(k, m)[:, r0:r1] = _scaled(xt, scale, 1, BLOCK, self.fp8_dtype)
-            out["_columnwise_scale_inv"][b0:b0 + scale.shape[1], :k] = nx.reciprocal(scale).t()
+            out["_columnwise_data"] = _scaled(xt, scale, 1, BLOCK, self.fp8_dtype)
+            out["_columnwise_scale_inv"] = nx.reciprocal(scale).t()
+        return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         shape = tuple(shape)
@@ -182,6 +181,7 @@ class _BlockwiseTE(TEAdapter):
     te_module = "tensor.float8_blockwise_tensor"
     te_tensor = "Float8BlockwiseQTensor"
     te_storage = "Float8BlockwiseQTensorStorage"
+    te_quantizers = ("Float8BlockQuantizer",)
 
     def read(self, t, tq, shape):
         row, col = t._rowwise_data is not None, t._columnwise_data is not None
@@ -190,6 +190,11 @@ class _BlockwiseTE(TEAdapter):
                                  force_pow_2_scales=bool(getattr(tq, "force_pow_2_scales", True)),
                                  amax_epsilon=float(getattr(tq, "amax_epsilon", 0.0)))
         return q, {n: getattr(t, n) for n in Float8BlockwiseQTensorStorage.BUFFERS}
+
+    def quantizer_from_fields(self, te_class, fields):
+        return quantizer_from_te_fields(Float8BlockQuantizer, fields, te_class=te_class,
+                                        convert={"dtype": lambda v: {"fp8_dtype": te_fp8_dtype(v)}},
+                                        te_defaults={"block_len": Float8BlockQuantizer.block_len})
 
     def te_quantizer(self, q, te):
         return te.module(self.te_module).Float8BlockQuantizer(

@@ -18,7 +18,8 @@ from ..errors import FormatError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, fp8_short_name, require_fp8_dtype)
 from .blockwise import Float8BlockQuantizer
-from .te_adapter import TE_FP8_CODE, TEAdapter, TEContext, register_te_adapter, te_fp8_dtype
+from .te_adapter import (TE_FP8_CODE, TEAdapter, TEContext, quantizer_from_te_fields, register_te_adapter,
+                         te_fp8_dtype, te_value_fields)
 
 
 class Float8TensorStorage(QuantizedTensorStorage):
@@ -90,21 +91,25 @@ class _PerTensorFP8:
     def value_dtypes(self) -> dict[str, torch.dtype]:
         return {"_data": self.fp8_dtype, "_transpose": self.fp8_dtype, "_scale_inv": torch.float32}
 
-    def _scale(self, x2: torch.Tensor) -> torch.Tensor:
+    def _scale(self, x2: torch.Tensor, args: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The quantization scale for ``x2`` (``args``: ``_kernel_args``, made here when None)."""
         raise NotImplementedError
 
-    def _prepare(self, x2, out):
-        scale = self._scale(x2)
-        out["_scale_inv"].copy_(nx.reciprocal(scale).reshape(1))
-        return scale
+    def fusable(self) -> bool:
+        return True
 
-    def _quantize_rows(self, xc, r0, scale, out, m):
-        rows, k = xc.shape
+    def _prepare(self, x2, args):
+        scale = self._scale(x2, args)
+        return scale, {"_scale_inv": nx.reciprocal(scale).reshape(1)}
+
+    def _quantize_rows(self, xc, scale):
         q = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
-        if "_data" in out:
-            out["_data"].view(m, k)[r0:r0 + rows] = q
-        if "_transpose" in out:
-            out["_transpose"].view(k, m)[:, r0:r0 + rows] = q.t()
+        out = {}
+        if self.rowwise:
+            out["_data"] = q
+        if self.columnwise:
+            out["_transpose"] = q.t()
+        return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         scale_inv = buffers["_scale_inv"]
@@ -130,7 +135,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         require_fp8_dtype(self)
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
-    def _scale(self, x2):
+    def _scale(self, x2, args=None):
         return nx.scale_from_amax(nx.nan_ignoring_amax(x2), nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,
                                   epsilon=self.amax_epsilon, value_for_inf=nx.FP32_MAX)
@@ -166,8 +171,11 @@ class Float8Quantizer(_PerTensorFP8, Quantizer):
         object.__setattr__(self, "scale", _as_fp32_value(self.scale))
         object.__setattr__(self, "amax", _as_fp32_value(self.amax))
 
-    def _scale(self, x2):
-        return torch.tensor(self.scale, dtype=torch.float32, device=x2.device)
+    def _kernel_args(self, device):
+        return {"scale": torch.tensor(self.scale, dtype=torch.float32, device=device)}
+
+    def _scale(self, x2, args=None):
+        return (args or self._kernel_args(x2.device))["scale"]
 
     def settle(self, x, buffers=None):
         """As TE settles after seeing ``x``: amax = max|x| and, unless ``buffers`` already hold a
@@ -189,6 +197,7 @@ class _Float8TE(TEAdapter):
     te_module = "tensor.float8_tensor"
     te_tensor = "Float8Tensor"
     te_storage = "Float8TensorStorage"
+    te_quantizers = ("Float8Quantizer", "Float8CurrentScalingQuantizer")
 
     def read(self, t, tq, shape):
         fp8 = te_fp8_dtype(t._fp8_dtype)
@@ -214,6 +223,19 @@ class _Float8TE(TEAdapter):
             src = q.set_usage(rowwise=True, columnwise=False)
             bufs.update(src.derive({"_data": data, "_scale_inv": bufs["_scale_inv"]}, shape, q, COLUMNWISE))
         return q, bufs
+
+    def from_te_quantizer(self, tq):
+        if te_value_fields(tq) is not None:
+            return super().from_te_quantizer(tq)
+        # delayed scaling: TE gives Float8Quantizer no value key (scale and amax are live tensors)
+        return Float8Quantizer(tq.scale, tq.amax, te_fp8_dtype(tq.dtype), rowwise=bool(tq.rowwise_usage),
+                               columnwise=bool(tq.columnwise_usage))
+
+    def quantizer_from_fields(self, te_class, fields):
+        if te_class != "Float8CurrentScalingQuantizer":
+            raise FormatError(f"{te_class} is not a Float8 quantizer te-serial reads from a value key")
+        return quantizer_from_te_fields(Float8CurrentScalingQuantizer, fields, te_class=te_class,
+                                        convert={"dtype": lambda v: {"fp8_dtype": te_fp8_dtype(v)}})
 
     def te_quantizer(self, q, te: TEContext) -> Any:
         mod, dt = te.module(self.te_module), te.DType(TE_FP8_CODE[q.fp8_dtype])

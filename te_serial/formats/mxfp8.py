@@ -18,7 +18,7 @@ from .. import numerics as nx
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
                    spread_scales)
-from .te_adapter import TE_FP8_CODE, TEAdapter, register_te_adapter, te_fp8_dtype
+from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
 BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE (pytorch/constants.py)
 
@@ -108,31 +108,34 @@ class MXFP8Quantizer(Quantizer):
                              out.grid_shape(shape, usage))
         return self.relayout(buffers, shape, out, usage, src, grid)
 
-    def _block_exponents(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """E8M0 exponents: rowwise [M, K/32] and columnwise [M/32, K]."""
+    def fusable(self) -> bool:
+        return True
+
+    def _block_exponents(self, x2: torch.Tensor, usage: str) -> torch.Tensor:
+        """E8M0 exponents of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]."""
         m, k = x2.shape
         if self.with_2d_quantization:
             tile = nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
             e = nx.e8m0_from_amax(tile, self.fp8_dtype)
-            return e.repeat_interleave(BLOCK, dim=0), e.repeat_interleave(BLOCK, dim=1)
-        row = nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2)
-        col = nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1)
-        return nx.e8m0_from_amax(row, self.fp8_dtype), nx.e8m0_from_amax(col, self.fp8_dtype)
+            return e.repeat_interleave(BLOCK, dim=0 if usage == ROWWISE else 1)
+        if usage == ROWWISE:
+            return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2), self.fp8_dtype)
+        return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1), self.fp8_dtype)
 
-    def _quantize_rows(self, xc, r0, state, out, m):
+    def _quantize_rows(self, xc, state):
         rows, k = xc.shape
-        r1 = r0 + rows
-        e_row, e_col = self._block_exponents(xc)
+        out = {}
         if self.rowwise:
+            e = self._block_exponents(xc, ROWWISE)
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK),
-                                         nx.e8m0_quant_scale(e_row)[..., None], self.fp8_dtype)
-            out["_rowwise_data"].view(m, k)[r0:r1] = q.reshape(rows, k)
-            out["_rowwise_scale_inv"][r0:r1, : k // BLOCK] = e_row
+                                         nx.e8m0_quant_scale(e)[..., None], self.fp8_dtype)
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = q.reshape(rows, k), e
         if self.columnwise:
+            e = self._block_exponents(xc, COLUMNWISE)
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
-                                         nx.e8m0_quant_scale(e_col)[:, None, :], self.fp8_dtype)
-            out["_columnwise_data"].view(m, k)[r0:r1] = q.reshape(rows, k)
-            out["_columnwise_scale_inv"][r0 // BLOCK: r1 // BLOCK, :k] = e_col
+                                         nx.e8m0_quant_scale(e)[:, None, :], self.fp8_dtype)
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = q.reshape(rows, k), e
+        return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         m, k = flatten_2d(tuple(shape))
@@ -149,12 +152,17 @@ class _MXFP8TE(TEAdapter):
     te_module = "tensor.mxfp8_tensor"
     te_tensor = "MXFP8Tensor"
     te_storage = "MXFP8TensorStorage"
+    te_quantizers = ("MXFP8Quantizer",)
 
     def read(self, t, tq, shape):
         q = MXFP8Quantizer(te_fp8_dtype(t._fp8_dtype), rowwise=t._rowwise_data is not None,
                            columnwise=t._columnwise_data is not None,
                            with_2d_quantization=bool(getattr(tq, "with_2d_quantization", False)))
         return q, {n: getattr(t, n) for n in MXFP8TensorStorage.BUFFERS}
+
+    def quantizer_from_fields(self, te_class, fields):
+        return quantizer_from_te_fields(MXFP8Quantizer, fields, te_class=te_class, swizzles=True,
+                                        convert={"dtype": lambda v: {"fp8_dtype": te_fp8_dtype(v)}})
 
     def te_quantizer(self, q, te):
         return te.module(self.te_module).MXFP8Quantizer(

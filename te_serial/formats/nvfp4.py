@@ -6,6 +6,17 @@ quantized along M, shaped ``(S[-1], *S[:-1])`` with the last dim halved (TE's
 ``get_columnwise_shape``). With ``with_2d_quantization`` one amax per 16×16 tile sets the scales
 of all 16 rows of the tile (TE's weight recipe). The random Hadamard transform (``with_rht``)
 applies to the columnwise copy only.
+
+Two TE 2.20 variants (common/cast/dispatch/quantize.cuh routes them):
+
+* ``row_scaled_nvfp4``: ``_amax_rowwise`` holds one fp32 amax per row ``[M]``, each row's global
+  scale its own (quantize_transpose_nvfp4.cuh ``compute_rowwise_amax``, the tuned 1D kernel's
+  ``ROW_SCALED_NVFP4`` path). Rowwise only, 1×16, no RHT, no stochastic rounding.
+* ``nvfp4_use_4over6`` (quantize_4over6_nvfp4.cuh): each block (16×16 tile in 2-D mode) keeps the
+  better of two encodings, map-to-6 (scale ``e4m3(amax_b / 6 · S_enc)``) and map-to-4 (that scale
+  ×1.5), by the summed ``nvfp4_4over6_err_mode`` error (MAE or MSE) of its dequantized values;
+  ties keep map-to-6. ``nvfp4_e4m3_max`` (448, or 256 to leave the map-to-4 scale headroom) sets
+  ``S_enc = 6 · e4m3_max / amax`` and the dequantize divisor ``6 · e4m3_max``.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, require_divisible, spread_scales)
-from .te_adapter import TEAdapter, register_te_adapter
+from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
 
 BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)
 E4M3_MAX = 448.0
@@ -46,12 +57,13 @@ def rht_matrix(with_random_sign_mask: bool = True, device=None) -> torch.Tensor:
     return h * 0.25
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448·6 / amax (fp32), capped at FLT_MAX; 1 when amax is 0 or S_enc underflows to 0.
+def global_encode_scale(amax: torch.Tensor, e4m3_max: float = E4M3_MAX) -> torch.Tensor:
+    """S_enc = e4m3_max·6 / amax (fp32), capped at FLT_MAX; 1 when amax is 0 or S_enc underflows to 0.
 
-    TE: ``compute_global_encode_scaling_factor_FP4`` (core_nvfp4.cuh).
+    TE: ``compute_global_encode_scaling_factor_FP4<E4M3_MAX>`` (core_nvfp4.cuh); elementwise, so a
+    per-row amax gives per-row scales.
     """
-    s = torch.tensor(E4M3_MAX * nx.FP4_MAX, dtype=torch.float32, device=amax.device) / amax
+    s = torch.tensor(e4m3_max * nx.FP4_MAX, dtype=torch.float32, device=amax.device) / amax
     s = torch.clamp(s, max=nx.FP32_MAX)
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
@@ -60,12 +72,17 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 class NVFP4Quantizer(Quantizer):
     """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling.
 
-    Exact paths: 16×16 → 1×16 (tile scales are block scales) and, in 16×16 mode without the RHT,
-    either usage from the other (a nibble transpose, tile scales spread, same amax). Slices
-    align to 16 in both dims (the format's shape rule) and keep the parent's tensor amax.
+    Exact paths: 16×16 → 1×16 (tile scales are block scales) and, in 16×16 mode without the RHT
+    or 4over6, either usage from the other (a nibble transpose, tile scales spread, same amax);
+    never across ``row_scaled_nvfp4`` or ``nvfp4_e4m3_max`` (other amax, other divisor). Slices
+    align to 16 in both dims (the format's shape rule) and keep the parent's tensor amax (a
+    per-row amax is sliced with the rows).
     """
 
     kind: ClassVar[str] = "nvfp4"
+    #: format 1.3: a 1.2 reader still reads every NVFP4 tensor that leaves them at their defaults
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"row_scaled_nvfp4", "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode"})
     storage_class: ClassVar[type] = NVFP4TensorStorage
     tensor_class: ClassVar[type] = NVFP4Tensor
 
@@ -74,6 +91,41 @@ class NVFP4Quantizer(Quantizer):
     with_random_sign_mask: bool = dataclasses.field(default=True, kw_only=True)
     with_2d_quantization: bool = dataclasses.field(default=False, kw_only=True)
     stochastic_rounding: bool = dataclasses.field(default=False, kw_only=True)
+    row_scaled_nvfp4: bool = dataclasses.field(default=False, kw_only=True)
+    nvfp4_use_4over6: bool = dataclasses.field(default=False, kw_only=True)
+    nvfp4_e4m3_max: int = dataclasses.field(default=448, kw_only=True)
+    nvfp4_4over6_err_mode: str = dataclasses.field(default="MAE", kw_only=True)
+
+    def __post_init__(self) -> None:
+        """TE's rules for the variants (NVFP4Quantizer.__init__, csrc/quantizer.cpp quantize_impl,
+        common/cast/dispatch/quantize.cuh), refused here with the field that breaks them."""
+        super().__post_init__()
+        mode = self.nvfp4_4over6_err_mode
+        if not isinstance(mode, str) or mode.upper() not in ("MAE", "MSE"):
+            raise FormatError(f"NVFP4Quantizer: nvfp4_4over6_err_mode must be 'MAE' or 'MSE', got {mode!r}")
+        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper())
+        e = self.nvfp4_e4m3_max
+        if isinstance(e, bool) or e not in (448, 256):
+            raise FormatError(f"NVFP4Quantizer: nvfp4_e4m3_max must be 448 or 256, got {e!r}")
+        object.__setattr__(self, "nvfp4_e4m3_max", int(e))
+        if e == 256 and not self.nvfp4_use_4over6:
+            raise FormatError("NVFP4Quantizer: nvfp4_e4m3_max=256 needs nvfp4_use_4over6=True (TE: 'Non-4over6 "
+                              "NVFP4 quantization requires E4M3 max 448')")
+        for flag, variant in (("nvfp4_use_4over6", "4over6"), ("row_scaled_nvfp4", "row-scaled")):
+            if not getattr(self, flag):
+                continue
+            for other in ("with_rht", "stochastic_rounding"):
+                if getattr(self, other):
+                    raise FormatError(f"NVFP4Quantizer: {flag}=True with {other}=True: TE's {variant} NVFP4 "
+                                      f"kernels support no {other.replace('with_', '').replace('_', ' ')}")
+        if self.row_scaled_nvfp4:
+            if self.with_2d_quantization:
+                raise FormatError("NVFP4Quantizer: row_scaled_nvfp4=True with with_2d_quantization=True: TE's "
+                                  "row-scaled NVFP4 has 1x16 blocks only")
+            if self.columnwise or not self.rowwise:
+                raise FormatError("NVFP4Quantizer: row_scaled_nvfp4=True is rowwise only (rowwise=True, "
+                                  f"columnwise=False), got rowwise={self.rowwise}, columnwise={self.columnwise}: "
+                                  "TE's row-scaled kernels make no columnwise copy")
 
     def check_shape(self, shape):
         super().check_shape(shape)
@@ -95,7 +147,7 @@ class NVFP4Quantizer(Quantizer):
             specs["_columnwise_scale_inv"] = BufferSpec(
                 (nx.round_up(k, 128), nx.round_up(nx.ceil_div(m, BLOCK), 4)), torch.uint8)
         if self.rowwise:
-            specs["_amax_rowwise"] = BufferSpec((1,), torch.float32)
+            specs["_amax_rowwise"] = BufferSpec((m,) if self.row_scaled_nvfp4 else (1,), torch.float32)
         if self.columnwise:
             specs["_amax_columnwise"] = BufferSpec((1,), torch.float32)
         return specs
@@ -111,16 +163,20 @@ class NVFP4Quantizer(Quantizer):
         tile = (BLOCK, BLOCK) if self.with_2d_quantization else None
         if usage == ROWWISE:
             return UsageLayout("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise", grid=(1, BLOCK),
-                               tile=tile, pack=2)
+                               tile=tile, pack=2, amax_rows=self.row_scaled_nvfp4)
         return UsageLayout("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise", grid=(BLOCK, 1),
                            tile=tile, transposed=True, scale_transposed=True, pack=2)
 
     def layout_key(self):
-        return (self.kind, self.with_2d_quantization, self.with_rht,
-                self.with_rht and self.with_random_sign_mask)  # the sign mask matters only with the RHT
+        # the sign mask matters only with the RHT; 4over6 and its error mode only chose the scales
+        return (self.kind, self.with_2d_quantization, self.with_rht, self.with_rht and self.with_random_sign_mask,
+                self.row_scaled_nvfp4, self.nvfp4_e4m3_max)
 
     def layout_name(self):
-        return f"nvfp4{'_2d' if self.with_2d_quantization else ''}{'_rht' if self.with_rht else ''}"
+        four = f"_4over6{'_mse' if self.nvfp4_4over6_err_mode == 'MSE' else ''}" if self.nvfp4_use_4over6 else ""
+        return (f"nvfp4{'_2d' if self.with_2d_quantization else ''}{'_rht' if self.with_rht else ''}"
+                f"{'_row_scaled' if self.row_scaled_nvfp4 else ''}{four}"
+                f"{'_e4m3max256' if self.nvfp4_e4m3_max == 256 else ''}")
 
     def slice_alignment(self):
         return BLOCK, BLOCK
@@ -132,30 +188,44 @@ class NVFP4Quantizer(Quantizer):
         return dataclasses.replace(self, stochastic_rounding=False)
 
     def global_scale_divisor(self):
-        return nx.FP4_MAX * E4M3_MAX  # x' = q · s_b · amax / (6 · 448)
+        return nx.FP4_MAX * self.nvfp4_e4m3_max  # x' = q · s_b · amax / (6 · e4m3_max); row-scaled: that row's amax
 
     def _same_columnwise(self, other: "NVFP4Quantizer") -> bool:
         return self.with_rht == other.with_rht and (not self.with_rht
                                                    or self.with_random_sign_mask == other.with_random_sign_mask)
+
+    def _usages_transposed(self) -> bool:
+        """Is either usage a nibble transpose of the other? 16×16 tiles without the RHT, and without
+        4over6 (its rowwise and columnwise tiles sum their errors in other orders, so a near tie
+        can pick another candidate in each)."""
+        return self.with_2d_quantization and not self.with_rht and not self.nvfp4_use_4over6
 
     def exact_output(self, target):
         if not isinstance(target, NVFP4Quantizer):
             return None
         if target.with_2d_quantization and not self.with_2d_quantization:
             return None
-        out = dataclasses.replace(self, with_2d_quantization=target.with_2d_quantization,
-                                  rowwise=target.rowwise, columnwise=target.columnwise)
+        if (self.row_scaled_nvfp4, self.nvfp4_e4m3_max) != (target.row_scaled_nvfp4, target.nvfp4_e4m3_max):
+            return None  # a per-row amax is no tensor amax; 6 · e4m3_max divides every value
+        kw = dict(with_2d_quantization=target.with_2d_quantization, rowwise=target.rowwise,
+                  columnwise=target.columnwise, nvfp4_use_4over6=target.nvfp4_use_4over6,
+                  nvfp4_4over6_err_mode=target.nvfp4_4over6_err_mode)
+        rht = dict(with_rht=target.with_rht, with_post_rht_amax=target.with_post_rht_amax,
+                   with_random_sign_mask=target.with_random_sign_mask)
         if target.columnwise and not (self.columnwise and self._same_columnwise(target)):
-            out = dataclasses.replace(out, with_rht=target.with_rht, with_post_rht_amax=target.with_post_rht_amax,
-                                      with_random_sign_mask=target.with_random_sign_mask)
-        return out
+            kw.update(rht)
+        try:
+            return dataclasses.replace(self, **kw)
+        except FormatError:  # the source's RHT (columnwise only, not kept) or stochastic rounding with the
+            # target's 4over6: the kept bytes mean the same values under the target's choices
+            return dataclasses.replace(self, **kw, **rht, stochastic_rounding=target.stochastic_rounding)
 
     def derivable(self, out, usage):
         if usage == ROWWISE:
-            return self.rowwise or (self.with_2d_quantization and not self.with_rht)
+            return self.rowwise or self._usages_transposed()
         if self.columnwise and self._same_columnwise(out):
             return True
-        return self.rowwise and self.with_2d_quantization and not out.with_rht
+        return self.rowwise and self._usages_transposed() and not out.with_rht
 
     def derive(self, buffers, shape, out, usage):
         if self.has_usage(usage) and (usage == ROWWISE or self._same_columnwise(out)):
@@ -165,8 +235,10 @@ class NVFP4Quantizer(Quantizer):
                              out.grid_shape(shape, usage))
         return self.relayout(buffers, shape, out, usage, src, grid)
 
-    def _encode(self, x2: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize rows of x2 [R, C] in blocks of 16 along C: (packed data [R, C/2], scales [R, C/16])."""
+    def _encode(self, x2: torch.Tensor, amax: torch.Tensor,
+                args: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize rows of x2 [R, C] in blocks of 16 along C with the tensor amax (row-scaled: one
+        per row, [R]): (packed data [R, C/2], scales [R, C/16]). ``args``: ``_kernel_args``."""
         r, c = x2.shape
         blocks = x2.reshape(r, c // BLOCK, BLOCK)
         if self.with_2d_quantization:
@@ -174,7 +246,12 @@ class NVFP4Quantizer(Quantizer):
             block_amax = tile.repeat_interleave(BLOCK, dim=0)
         else:
             block_amax = nx.nan_ignoring_amax(blocks, dim=2)
-        s_enc = global_encode_scale(amax)
+        amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row
+        s_enc = global_encode_scale(amax, self.nvfp4_e4m3_max)
+        if self.nvfp4_use_4over6:
+            codes, s_b = self._select_4over6(blocks.float(), block_amax, amax, s_enc,
+                                             args or self._kernel_args(x2.device))
+            return nx.pack_fp4(codes.reshape(r, c)), s_b
         s_dec = nx.reciprocal(s_enc)
         inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
         # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
@@ -184,6 +261,53 @@ class NVFP4Quantizer(Quantizer):
         enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
         codes = nx.cast_to_fp4_codes(blocks.float() * enc[..., None]).reshape(r, c)
         return nx.pack_fp4(codes), s_b
+
+    def _kernel_args(self, device):
+        # 4over6 divides by 6 and by 6 · e4m3_max: kernel inputs, so that a compiled graph keeps them
+        # true divisions (inductor may turn x / constant into x * (1 / constant))
+        if not self.nvfp4_use_4over6:
+            return {}
+        f32 = dict(dtype=torch.float32, device=device)
+        return {"fp4_max": torch.tensor(nx.FP4_MAX, **f32),
+                "err_denom": torch.tensor(nx.FP4_MAX * self.nvfp4_e4m3_max, **f32)}
+
+    def _select_4over6(self, x: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
+                       s_enc: torch.Tensor, args: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (codes [R, C/16, 16], scales
+        [R, C/16]) of the better of map-to-4 and map-to-6 for each block of x [R, C/16, 16].
+
+        Candidate scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))`` with
+        ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error
+        ``Σ err(((q · s) · amax) / (6 · e4m3_max) − x)`` summed over the 16 elements in order (fp32),
+        err = |d| (MAE) or d · d (MSE); 16×16 tiles add their 16 rows' sums in the warp's tree order.
+        Map-to-4 only when its error is strictly lower (NaN errors keep map-to-6).
+        """
+        f32 = dict(dtype=torch.float32, device=x.device)
+        base = block_amax / args["fp4_max"] * s_enc
+        s_dec = nx.reciprocal(s_enc)
+        denom = args["err_denom"]
+        fp8_max = nx.fp8_max(torch.float8_e4m3fn)
+        out = []
+        for b in (base * torch.tensor(1.5, **f32), base):  # map-to-4, map-to-6
+            s_b = nx.scale_and_cast_to_fp8(torch.clamp(b, max=fp8_max), None, torch.float8_e4m3fn)
+            sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
+            enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
+            codes = nx.cast_to_fp4_codes(x * enc[..., None])
+            d = nx.fp4_codes_to_float(codes) * sf[..., None] * amax[..., None] / denom - x
+            e = d.abs() if self.nvfp4_4over6_err_mode == "MAE" else d * d
+            err = e[..., 0]
+            for i in range(1, BLOCK):
+                err = err + e[..., i]
+            if self.with_2d_quantization:  # reduce_group_sum_16: shfl_down by 8, 4, 2, 1
+                t = err.reshape(-1, BLOCK, err.shape[1])
+                while t.shape[1] > 1:
+                    h = t.shape[1] // 2
+                    t = t[:, :h] + t[:, h:]
+                err = t.reshape(-1, err.shape[1]).repeat_interleave(BLOCK, dim=0)
+            out.append((codes, s_b, err))
+        (c4, s4, e4), (c6, s6, e6) = out
+        pick4 = e4 < e6
+        return torch.where(pick4[..., None], c4, c6), torch.where(pick4, s4, s6)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.
@@ -206,7 +330,13 @@ class NVFP4Quantizer(Quantizer):
                 "random bits in-kernel); quantize with stochastic_rounding=False")
         return super()._quantize(x)
 
-    def _prepare(self, x2, out):
+    def fusable(self) -> bool:
+        # the RHT's float64 sums and their double rounding (fp64 → fp32 → bf16) stay eager
+        return not (self.with_rht and self.columnwise)
+
+    def _prepare(self, x2, args):
+        if self.row_scaled_nvfp4:  # compute_rowwise_amax: one amax per row, taken with its rows
+            return (None, None, args), {}
         amax = nx.nan_ignoring_amax(x2)
         amax_col = amax
         if self.columnwise and self.with_rht:  # post-RHT amax: a pass of its own over the chunks
@@ -214,37 +344,42 @@ class NVFP4Quantizer(Quantizer):
             parts = [nx.nan_ignoring_amax(self._rht(x2[r:r + step].t().contiguous()))
                      for r in range(0, x2.shape[0], step)]
             amax_col = torch.stack(parts).amax() if parts else amax
+        whole = {}
         if self.rowwise:
-            out["_amax_rowwise"].copy_(amax.reshape(1))
+            whole["_amax_rowwise"] = amax.reshape(1)
         if self.columnwise:
-            out["_amax_columnwise"].copy_(amax_col.reshape(1))
-        return amax, amax_col
+            whole["_amax_columnwise"] = amax_col.reshape(1)
+        return (amax, amax_col, args), whole
 
-    def _quantize_rows(self, xc, r0, state, out, m):
-        amax, amax_col = state
-        rows, k = xc.shape
-        r1 = r0 + rows
+    def _quantize_rows(self, xc, state):
+        amax, amax_col, args = state
+        out = {}
+        if self.row_scaled_nvfp4:  # rowwise only; each row's amax is its global amax
+            amax = nx.nan_ignoring_amax(xc, dim=1)
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
+            out["_amax_rowwise"] = amax
+            return out
         if self.rowwise:
-            data, s_b = self._encode(xc, amax)
-            out["_rowwise_data"].view(m, k // 2)[r0:r1] = data
-            out["_rowwise_scale_inv"][r0:r1, : k // BLOCK] = s_b
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
         if self.columnwise:
             xt = xc.t().contiguous()
             if self.with_rht:
                 xt = self._rht(xt)
-            data, s_b = self._encode(xt, amax_col)
-            out["_columnwise_data"].view(k, m // 2)[:, r0 // 2: r1 // 2] = data
-            out["_columnwise_scale_inv"][:k, r0 // BLOCK: r1 // BLOCK] = s_b
+            data, s_b = self._encode(xt, amax_col, args)
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = data, s_b.t()  # grid [R / 16, K]
+        return out
 
     @staticmethod
-    def _decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, r: int, c: int) -> torch.Tensor:
-        """dequantize_nvfp4.cuh: q * (float(e4m3 scale) * amax * (1 / (6 * 448))); ``scale`` is the
-        [r, c / 16] block scale grid."""
+    def _decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, r: int, c: int,
+                e4m3_max: int = 448) -> torch.Tensor:
+        """dequantize_nvfp4.cuh: q * (float(e4m3 scale) * amax * (1.0f / (6 * e4m3_max))); ``scale``
+        is the [r, c / 16] block scale grid, ``amax`` one value or one per row ([r])."""
         codes = nx.unpack_fp4(data.reshape(r, c // 2))
         q = nx.fp4_codes_to_float(codes).reshape(r, c // BLOCK, BLOCK)
         s = nx.fp8_to_float(scale.contiguous(), torch.float8_e4m3fn)
-        factor = torch.tensor(1.0 / (nx.FP4_MAX * E4M3_MAX), dtype=torch.float32, device=data.device)
-        final = s * amax.float().reshape(()) * factor
+        f32 = dict(dtype=torch.float32, device=data.device)
+        factor = torch.tensor(1.0, **f32) / torch.tensor(nx.FP4_MAX * e4m3_max, **f32)
+        final = s * amax.float().reshape(-1, 1) * factor
         return (q * final[..., None]).reshape(r, c)
 
     def _inverse_rht(self, values: torch.Tensor) -> torch.Tensor:
@@ -262,9 +397,9 @@ class NVFP4Quantizer(Quantizer):
         m, k = flatten_2d(shape)
         if "_rowwise_data" in buffers:
             return self._decode(buffers["_rowwise_data"], self.block_scales(buffers, shape, ROWWISE),
-                                buffers["_amax_rowwise"], m, k).reshape(shape)
+                                buffers["_amax_rowwise"], m, k, self.nvfp4_e4m3_max).reshape(shape)
         values = self._decode(buffers["_columnwise_data"], self.block_scales(buffers, shape, COLUMNWISE).t(),
-                              buffers["_amax_columnwise"], k, m)
+                              buffers["_amax_columnwise"], k, m, self.nvfp4_e4m3_max)
         if self.with_rht:
             values = self._inverse_rht(values)
         return values.t().reshape(shape)
@@ -274,30 +409,56 @@ class _NVFP4TE(TEAdapter):
     te_module = "tensor.nvfp4_tensor"
     te_tensor = "NVFP4Tensor"
     te_storage = "NVFP4TensorStorage"
+    te_quantizers = ("NVFP4Quantizer",)
+
+    @staticmethod
+    def _fp4(te_dtype) -> dict:
+        if int(te_dtype) != 10:  # kFloat4E2M1 (transformer_engine.h)
+            raise FormatError(f"NVFP4Quantizer with dtype {te_dtype!r}: te-serial reads kFloat4E2M1 only")
+        return {}
+
+    def quantizer_from_fields(self, te_class, fields):
+        return quantizer_from_te_fields(
+            NVFP4Quantizer, fields, te_class=te_class, swizzles=True,
+            convert={"dtype": self._fp4,
+                     "rht_matrix_random_sign_mask_t": lambda v: {"with_random_sign_mask": v != 0}})
 
     def read(self, t, tq, shape):
-        if getattr(t, "_row_scaled_nvfp4", False) or getattr(t, "_nvfp4_use_4over6", False):
-            raise FormatError("row-scaled and 4over6 NVFP4 tensors are not supported by te-serial yet")
+        # the tensor's flags say what its bytes are; the error mode lives on TE's quantizer only
+        row_scaled = bool(getattr(t, "_row_scaled_nvfp4", False))
+        if row_scaled and t._columnwise_data is not None:
+            raise FormatError(
+                "TE NVFP4 tensor is row-scaled and holds a columnwise copy (with one amax per column): "
+                "te-serial holds row-scaled NVFP4 rowwise only; drop the columnwise usage first "
+                "(update_usage(columnwise_usage=False))")
         q = NVFP4Quantizer(rowwise=t._rowwise_data is not None, columnwise=t._columnwise_data is not None,
                            with_rht=bool(getattr(tq, "with_rht", False)),
                            with_post_rht_amax=bool(getattr(tq, "with_post_rht_amax", False)),
                            with_2d_quantization=bool(getattr(tq, "with_2d_quantization", False)),
                            stochastic_rounding=bool(getattr(tq, "stochastic_rounding", False)),
-                           with_random_sign_mask=bool(getattr(tq, "rht_matrix_random_sign_mask_t", 1)))
+                           with_random_sign_mask=bool(getattr(tq, "rht_matrix_random_sign_mask_t", 1)),
+                           row_scaled_nvfp4=row_scaled,
+                           nvfp4_use_4over6=bool(getattr(t, "_nvfp4_use_4over6", False)),
+                           nvfp4_e4m3_max=int(getattr(t, "_nvfp4_e4m3_max", 448)),
+                           nvfp4_4over6_err_mode=str(getattr(tq, "nvfp4_4over6_err_mode", "MAE")))
         return q, {n: getattr(t, n) for n in NVFP4TensorStorage.BUFFERS}
 
     def te_quantizer(self, q, te):
         return te.module(self.te_module).NVFP4Quantizer(
             rowwise=q.rowwise, columnwise=q.columnwise, with_rht=q.with_rht,
             with_post_rht_amax=q.with_post_rht_amax, with_2d_quantization=q.with_2d_quantization,
-            stochastic_rounding=q.stochastic_rounding, with_random_sign_mask=q.with_random_sign_mask)
+            stochastic_rounding=q.stochastic_rounding, with_random_sign_mask=q.with_random_sign_mask,
+            row_scaled_nvfp4=q.row_scaled_nvfp4, nvfp4_use_4over6=q.nvfp4_use_4over6,
+            nvfp4_e4m3_max=q.nvfp4_e4m3_max, nvfp4_4over6_err_mode=q.nvfp4_4over6_err_mode)
 
     def te_kwargs(self, q, buffers, te):
         return dict(rowwise_data=buffers.get("_rowwise_data"), rowwise_scale_inv=buffers.get("_rowwise_scale_inv"),
                     columnwise_data=buffers.get("_columnwise_data"),
                     columnwise_scale_inv=buffers.get("_columnwise_scale_inv"),
                     amax_rowwise=buffers.get("_amax_rowwise"), amax_columnwise=buffers.get("_amax_columnwise"),
-                    fp4_dtype=te.DType.kFloat4E2M1, with_gemm_swizzled_scales=False)
+                    fp4_dtype=te.DType.kFloat4E2M1, with_gemm_swizzled_scales=False,
+                    row_scaled_nvfp4=q.row_scaled_nvfp4, nvfp4_use_4over6=q.nvfp4_use_4over6,
+                    nvfp4_e4m3_max=q.nvfp4_e4m3_max)
 
 
 register_te_adapter(_NVFP4TE(), NVFP4Quantizer)

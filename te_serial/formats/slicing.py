@@ -12,8 +12,9 @@ the tensor's end (a partial last block). Alignment per format, from its enabled 
   free; with both usages both align to 128. 128×128: 128 in both dims.
 
 Formats whose scale depends on the whole tensor keep the parent's: per-tensor FP8's scale_inv
-and NVFP4's tensor amax (``_amax_rowwise`` / ``_amax_columnwise``). Every other buffer equals the
-range quantized on its own.
+and NVFP4's tensor amax (``_amax_rowwise`` / ``_amax_columnwise``). A per-row amax (row-scaled
+NVFP4, ``UsageLayout.amax_rows``) is sliced with the rows and kept whole along the columns. Every
+other buffer equals the range quantized on its own.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def region_views(q: Quantizer, shape) -> dict[str, tuple[int, ...]]:
 
     Data: [M, K / pack] ([K, M / pack] when stored transposed), a reshape of the buffer. A scale
     with a block grid: its valid region (stored orientation; the rest of the buffer is padding). A
-    tensor-wide buffer (one scale for the whole tensor, an amax): its own shape.
+    per-row amax: [M]. A tensor-wide buffer (one scale for the whole tensor, an amax): its own shape.
     """
     shape = tuple(int(s) for s in shape)
     specs = q.describe_buffers(shape)
@@ -76,6 +77,8 @@ def region_views(q: Quantizer, shape) -> dict[str, tuple[int, ...]]:
         out[lay.data] = (k, m // lay.pack) if lay.transposed else (m, k // lay.pack)
         if lay.scale in valid:
             out[lay.scale] = tuple(valid[lay.scale])
+        if lay.amax_rows:
+            out[lay.amax] = (m,)
     return out
 
 
@@ -92,7 +95,8 @@ def buffer_regions(q: Quantizer, shape, rows: Range = None, cols: Range = None) 
     range ``rows`` × ``cols`` of a tensor of ``shape`` holds, in flatten order.
 
     Data: the range itself (columns / rows divided by the packing); gridded scales: the block grid
-    cells the range covers; tensor-wide buffers: the whole buffer (every range holds it).
+    cells the range covers; a per-row amax: the rows; tensor-wide buffers: the whole buffer
+    (every range holds it).
     Unaligned or empty ranges raise :class:`~te_serial.ShapeError` naming the block.
     """
     shape = tuple(int(s) for s in shape)
@@ -113,6 +117,8 @@ def buffer_regions(q: Quantizer, shape, rows: Range = None, cols: Range = None) 
             gr, gc = lay.grid
             a0, a1, b0, b1 = r0 // gr, -(-r1 // gr), c0 // gc, -(-c1 // gc)
             out[lay.scale] = ((b0, a0), (b1 - b0, a1 - a0)) if lay.scale_transposed else ((a0, b0), (a1 - a0, b1 - b0))
+        if lay.amax_rows:
+            out[lay.amax] = ((r0,), (r1 - r0,))
     return out
 
 

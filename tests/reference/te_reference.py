@@ -60,6 +60,8 @@ __all__ = [
     "ref_blockwise",
     "ref_nvfp4",
     "ref_dequantize",
+    "ref_nvfp4_variant",
+    "ref_dequantize_nvfp4_variant",
 ]
 
 # ------------------------------------------------------------------------------------------------
@@ -870,3 +872,158 @@ def ref_dequantize(
         return t.t().reshape(shape)
 
     raise ValueError(f"unknown kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4 variants (TE 2.20): row-scaled and 4over6
+# ------------------------------------------------------------------------------------------------
+
+
+def _warp_tree_sum16(lanes: torch.Tensor) -> torch.Tensor:
+    """``reduce_group_sum_16`` (quantize_4over6_nvfp4.cuh) over the last dim (16 lanes), lane 0's
+    result: ``v += __shfl_down_sync(v, offset)`` for offset 8, 4, 2, 1 (a lane whose source is out
+    of the group keeps its own value), each add an fp32 RN add."""
+    v = [lanes[..., i] for i in range(16)]
+    offset = 8
+    while offset:
+        v = [v[i] + v[i + offset] if i + offset < 16 else v[i] for i in range(16)]
+        offset //= 2
+    return v[0]
+
+
+def _nvfp4_4over6_rows(
+    x2: torch.Tensor,
+    block_amax: torch.Tensor,
+    global_amax: torch.Tensor,
+    *,
+    e4m3_max: int,
+    err_mode: str,
+    two_d: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """4over6 quantization of (R, C) float32 rows in 16-blocks (quantize_4over6_nvfp4.cuh, default
+    ``nvfp4_4over6_err_use_fast_math=False``).  ``global_amax`` is one value or one per row (R,).
+
+    Per block (block_amax from the block, or its 16x16 tile in 2D):
+      S_enc = nvfp4_global_encode_scale(amax, e4m3_max); S_dec = fp32(1 / S_enc)
+      base  = fp32(fp32(block_amax / 6) * S_enc)
+      s4 = e4m3(fminf(fp32(base * 1.5), 448)), s6 = e4m3(fminf(base, 448))   (448 = E4M3's max)
+      enc_c = fminf(1 / fp32(float(s_c) * S_dec), FLT_MAX); q_c = e2m1(x * enc_c)
+      err_c = sum over the 16 elements, in order, of |d| (MAE) or d*d (MSE),
+              d = fp32(fp32(fp32(fp32(q_c * float(s_c)) * amax) / fp32(6 * e4m3_max)) - x)
+      2D: err_c of the 16 rows of a tile summed in the warp's tree order (:func:`_warp_tree_sum16`)
+      map-to-4 iff err_4 < err_6 (ties and NaN: map-to-6).
+    Returns (packed data (R, C/2), E4M3 scale bytes (R, C/16)).
+    """
+    R, C = x2.shape
+    nb = C // 16
+    xs = x2.to(_F32).reshape(R, nb, 16)
+    g = torch.as_tensor(global_amax).to(_F32).reshape(-1, 1)
+    s_enc = nvfp4_global_encode_scale(g, float(e4m3_max))
+    s_dec = _recip_f32(s_enc)
+    base = (block_amax.to(_F32) / _f32(FP4_MAX)) * s_enc
+    denom = _f32(FP4_MAX * e4m3_max)
+    results = []
+    for pre in (base * _f32(1.5), base):
+        pre = torch.where(pre > E4M3_MAX, _f32(E4M3_MAX).expand_as(pre), pre)
+        sb = fp8_encode(pre, "e4m3")
+        sv = fp8_decode(sb, "e4m3")
+        enc = _f32(1.0) / (sv * s_dec)
+        enc = torch.where(torch.isnan(enc) | (enc > FLT_MAX), _f32(FLT_MAX).expand_as(enc), enc)
+        codes = fp4_encode(xs * enc[..., None])
+        value = ((fp4_decode(codes) * sv[..., None]) * g[..., None]) / denom
+        diff = value - xs
+        per = diff.abs() if err_mode == "MAE" else diff * diff
+        err = torch.zeros(R, nb, dtype=_F32)
+        for i in range(16):
+            err = err + per[..., i]
+        if two_d:
+            tiles = err.reshape(R // 16, 16, nb).permute(0, 2, 1)  # (tile rows, nb, 16 lanes)
+            err = _warp_tree_sum16(tiles).repeat_interleave(16, dim=0)
+        results.append((codes, sb, err))
+    (c4, s4, e4), (c6, s6, e6) = results
+    pick4 = e4 < e6
+    codes = torch.where(pick4[..., None], c4, c6).reshape(R, C)
+    return fp4_pack(codes), torch.where(pick4, s4, s6)
+
+
+def ref_nvfp4_variant(
+    x: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    with_2d_quantization: bool = False,
+    row_scaled_nvfp4: bool = False,
+    nvfp4_use_4over6: bool = False,
+    nvfp4_e4m3_max: int = 448,
+    nvfp4_4over6_err_mode: str = "MAE",
+) -> Dict[str, torch.Tensor]:
+    """NVFP4 with TE 2.20's row-scaled and/or 4over6 modes (no RHT, no stochastic rounding).
+
+    Row-scaled (common/cast/dispatch/quantize.cuh -> compute_rowwise_amax, then the quantize
+    kernels' ROW_SCALED_NVFP4 path): rowwise only, 1x16; ``_amax_rowwise`` (M,) holds each row's
+    max|x| (NaN ignored) and each row is quantized with its own global scale.  4over6
+    (quantize_4over6_nvfp4.cuh): :func:`_nvfp4_4over6_rows`; both amaxes are max|x|; the columnwise
+    copy is x^T quantized the same way (in 2D its tile errors add up the 16 columns, each summed
+    along M).  Without 4over6 the plain NVFP4 rules of :func:`_nvfp4_quantize_rows` apply.
+    Buffers, shapes and padding as :func:`ref_nvfp4` (columnwise data (K, M/2) for 2-D input).
+    """
+    x2, shape, M, K = _flatten_2d(x)
+    if M % 16 or K % 16:
+        raise ValueError(f"NVFP4 needs M % 16 == 0 and K % 16 == 0, got M={M}, K={K}")
+    if row_scaled_nvfp4 and (columnwise or with_2d_quantization or not rowwise):
+        raise ValueError("row-scaled NVFP4 is rowwise-only with 1x16 blocks")
+    if nvfp4_e4m3_max != 448 and not nvfp4_use_4over6:
+        raise ValueError("E4M3 max 256 is a 4over6 option")
+    a = torch.where(torch.isnan(x2), torch.zeros_like(x2), x2.abs())
+    amax_row = a.amax(dim=1) if row_scaled_nvfp4 else amax_ignore_nan(x2)
+
+    def block_amax(src_abs: torch.Tensor) -> torch.Tensor:
+        R, C = src_abs.shape
+        if with_2d_quantization:
+            tile = src_abs.reshape(R // 16, 16, C // 16, 16).amax(dim=(1, 3))
+            return tile.repeat_interleave(16, dim=0)
+        return src_abs.reshape(R, C // 16, 16).amax(dim=2)
+
+    def encode(src: torch.Tensor, src_abs: torch.Tensor, amax: torch.Tensor):
+        if nvfp4_use_4over6:
+            return _nvfp4_4over6_rows(src, block_amax(src_abs), amax, e4m3_max=nvfp4_e4m3_max,
+                                      err_mode=nvfp4_4over6_err_mode.upper(), two_d=with_2d_quantization)
+        return _nvfp4_quantize_rows(src, block_amax(src_abs), amax.reshape(-1, 1))
+
+    out: Dict[str, torch.Tensor] = {}
+    if rowwise:
+        data, sb = encode(x2, a, amax_row)
+        out["_rowwise_data"] = data.reshape(*shape[:-1], K // 2)
+        out["_rowwise_scale_inv"] = _padded(sb, (_roundup(M, 128), _roundup(_cdiv(K, 16), 4)), torch.uint8)
+    if columnwise:
+        data, sb = encode(x2.t().contiguous(), a.t().contiguous(), amax_row)
+        out["_columnwise_data"] = data.reshape(_nvfp4_columnwise_data_shape(shape, M, K, False))
+        out["_columnwise_scale_inv"] = _padded(sb, (_roundup(K, 128), _roundup(_cdiv(M, 16), 4)), torch.uint8)
+    if rowwise:
+        out["_amax_rowwise"] = amax_row.reshape(-1).clone()
+    if columnwise:
+        out["_amax_columnwise"] = amax_row.reshape(1).clone()
+    return out
+
+
+def ref_dequantize_nvfp4_variant(
+    buffers: Dict[str, torch.Tensor], shape: Sequence[int], *, nvfp4_e4m3_max: int = 448
+) -> torch.Tensor:
+    """dequantize_nvfp4.cuh with its ROW_SCALED_NVFP4 / E4M3_MAX template arguments:
+    x = q * fp32(fp32(float(s_b) * amax) * fp32(1.0f / (6.0f * E4M3_MAX))), amax = the row's when
+    ``_amax_rowwise`` holds one per row.  Rowwise data when present, else the columnwise copy."""
+    shape = tuple(int(s) for s in shape)
+    K = shape[-1]
+    M = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    factor_inv = _f32(1.0) / _f32(6.0 * nvfp4_e4m3_max)
+
+    def deq(packed, sb, amax, R, C):
+        q = fp4_decode(fp4_unpack(packed.reshape(R, C // 2)))
+        final = fp8_decode(sb[:R, : C // 16].contiguous(), "e4m3") * amax.to(_F32).reshape(-1, 1)
+        return q * (final * factor_inv).repeat_interleave(16, dim=1)
+
+    if buffers.get("_rowwise_data") is not None:
+        t = deq(buffers["_rowwise_data"], buffers["_rowwise_scale_inv"], buffers["_amax_rowwise"], M, K)
+        return t.reshape(shape)
+    t = deq(buffers["_columnwise_data"], buffers["_columnwise_scale_inv"], buffers["_amax_columnwise"], K, M)
+    return t.t().reshape(shape)

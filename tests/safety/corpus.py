@@ -229,6 +229,93 @@ def _(doc, ck):
     return [ck.source, _protos_field(doc)]
 
 
+# --- grouped (MoE) tensors, format 1.3: T's prototype turned into a group of MXFP8 members ----------
+def _as_group(doc, shapes, proto_shape=None, member=None, buffers=False) -> str:
+    """T's prototype made a grouped one (a new quantizer entry); ``buffers``: its buffer list made
+    what the group describes. Returns the new quantizer's field."""
+    q = _quant(doc)
+    doc["quantizers"].append({"kind": "grouped", "rowwise": q["rowwise"], "columnwise": q["columnwise"],
+                              "member": dict(q) if member is None else member, "member_shapes": shapes})
+    p = _proto(doc)
+    p["quantizer"], p["storage"] = len(doc["quantizers"]) - 1, "GroupedTensor"
+    p["shape"] = proto_shape if proto_shape is not None else [len(shapes), *shapes[0]]
+    if buffers:
+        g = te_serial.formats.Quantizer.from_dict(doc["quantizers"][-1])
+        proto = TensorProto(g.group_shape, getattr(torch, p["dtype"]), g)
+        p["buffers"] = [{"name": n, "shape": list(s), "dtype": str(d).replace("torch.", "")}
+                        for n, (s, d) in expected_buffers(proto).items()]
+    return f"quantizers/{len(doc['quantizers']) - 1}"
+
+
+@case("grouped-buffers-vs-members")  # a member's buffers where the group's should be
+def _(doc, ck):
+    _as_group(doc, [[64, 64]])
+    return [ck.source, _protos_field(doc), "disagree"]
+
+
+@case("grouped-member-shapes-vs-packed-sizes")
+def _(doc, ck):
+    _as_group(doc, [[64, 64]], buffers=True)
+    _quant(doc)["member_shapes"] = [[64, 32], [32, 32]]  # fewer bytes than the packed buffers hold
+    _proto(doc)["shape"] = [96, 32]
+    return [ck.source, _protos_field(doc), "disagree"]
+
+
+@case("grouped-shape-vs-members")
+def _(doc, ck):
+    _as_group(doc, [[64, 64]], buffers=True)
+    _proto(doc)["shape"] = [2, 64, 64]
+    return [ck.source, _protos_field(doc), "has shape [1, 64, 64]"]
+
+
+@case("grouped-too-many-members")
+def _(doc, ck):
+    return [ck.source, _as_group(doc, [[32, 32]] * 5_000), "member_shapes"]
+
+
+@case("grouped-members-over-manifest-total")
+def _(doc, ck):
+    member = dict(_quant(doc))
+    for _ in range(17):  # 17 × 4096 > 2**16 members in all
+        _as_group(doc, [[32, 32]] * 4096, member=member)
+    return [ck.source, "members together"]
+
+
+@case("grouped-no-members")
+def _(doc, ck):
+    return [ck.source, _as_group(doc, [], proto_shape=[0, 64]), "member_shapes"]
+
+
+@case("grouped-member-is-grouped")
+def _(doc, ck):
+    inner = {"kind": "grouped", "rowwise": True, "columnwise": True, "member": dict(_quant(doc)),
+             "member_shapes": [[64, 64]]}
+    return [ck.source, _as_group(doc, [[64, 64]], member=inner), "member"]
+
+
+@case("grouped-delayed-scaling-member")  # TE does not group delayed-scaling weights
+def _(doc, ck):
+    return [ck.source, _as_group(doc, [[64, 64]], member=dict(_quant(doc, "blocks.1.w_ds"))), "not grouped"]
+
+
+@case("grouped-member-shape-float")
+def _(doc, ck):
+    return [ck.source, _as_group(doc, [[64.0, 64]], proto_shape=[1, 64, 64])]
+
+
+@case("grouped-huge-vs-file")  # 2**48 elements per member: refused before anything is allocated
+def _(doc, ck):
+    _as_group(doc, [[1 << 24, 1 << 24]] * 3, buffers=True)
+    return [ck.source, _protos_field(doc), "more bytes than the checkpoint's files hold"]
+
+
+@case("grouped-in-a-1.2-manifest")
+def _(doc, ck):
+    where = _as_group(doc, [[64, 64]], buffers=True)
+    doc["version"] = [1, 2]
+    return [ck.source, where, "need format 1.3"]
+
+
 def _outside_copy(ck) -> str:
     """An absolute path to a real, valid shard outside the checkpoint."""
     src = ck.file_of()
