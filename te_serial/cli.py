@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import time
 from typing import Any, TextIO
 
 from .errors import TeSerialError
@@ -102,6 +100,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         "weight_only (= none), dynamic, static (W8A8 / W4A4 from recorded amax)")
     c.add_argument("--activation-amax", metavar="FILE",
                    help="JSON {module: amax of its input} from a calibration pass (te_serial.conversion.ActivationAmax)")
+    c.add_argument("--stats", default="full", choices=("full", "sample", "none"),
+                   help="error figures of requantized tensors: every element (full), evenly spread row blocks, "
+                        "about 1/16 of the rows (sample), or none; lossless paths are verified in full in every mode")
+    c.add_argument("--device", default=None,
+                   help="where tensors are quantized: cuda or cpu (default: cuda when available)")
     prog = c.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="show a progress bar on stderr (default: when stderr is a terminal)")
@@ -141,37 +144,25 @@ def _fnum(x: float) -> Any:
 
 
 class _ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+    """convert's ``progress(done, total, name)`` drawn by tqdm: bytes with SI units (right on a
+    kilobyte job and a terabyte one), throughput, ETA, and the tensor being converted."""
 
     def __init__(self, stream: TextIO, label: str) -> None:
-        self.stream, self.label = stream, label
-        self.t0 = time.perf_counter()
-        self.last = 0.0
-        self.tty = stream.isatty()
+        self.stream, self.label, self.bar = stream, label, None
 
     def __call__(self, done: int, total: int, name: str) -> None:
-        now = time.perf_counter()
-        final = total and done >= total
-        if not final and now - self.last < (0.1 if self.tty else 1.0):
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        width = 28
-        fill = int(frac * width)
-        rate = done / (now - self.t0) / 1e9 if now > self.t0 else 0.0
-        cols = shutil.get_terminal_size((100, 20)).columns
-        line = (f"{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
-                f"{done / 1e9:.2f}/{total / 1e9:.2f} GB {rate:.2f} GB/s {name}")
-        if self.tty:
-            self.stream.write("\r" + line[: cols - 1].ljust(cols - 1))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        if self.bar is None:  # made at the first call, when the total is known
+            from tqdm import tqdm
+            tty = self.stream.isatty()
+            self.bar = tqdm(total=total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1000,
+                            file=self.stream, dynamic_ncols=tty, mininterval=0.1 if tty else 1.0, ascii=not tty)
+        self.bar.update(done - self.bar.n)
+        if name:
+            self.bar.set_postfix_str(name, refresh=False)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -245,7 +236,7 @@ def cmd_convert(args, out: TextIO, err: TextIO) -> int:
         rep = convert(args.src, args.dst, recipe=args.recipe, rules=args.rules, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, report=args.report, progress=bar,
                       usages=args.usages, overwrite=args.overwrite, activations=args.activations,
-                      activation_amax=args.activation_amax)
+                      activation_amax=args.activation_amax, stats=args.stats, device=args.device)
     finally:
         if bar is not None:
             bar.close()

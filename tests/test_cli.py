@@ -132,7 +132,8 @@ def test_convert_with_progress_and_report(cli):
     d, r = cli
     c = r["convert"]
     assert c.returncode == 0, c.stderr
-    assert "100.0%" in c.stderr and "converting" in c.stderr  # the progress bar
+    bar = c.stderr.strip().splitlines()[-1]       # tqdm's last line: 100 %, done/total with units, rate
+    assert bar.startswith("converting: 100%") and "B/s" in bar and "0.00/0.00" not in bar, bar
     assert "lossy" in c.stdout and "model.layers.0.mlp.up_proj.weight" in c.stdout and "SNR dB" in c.stdout
     rep = tc.ConversionReport.load(d / "r.json")
     assert rep.target_layout == "te-serial" and len(rep.lossy) == 2
@@ -168,3 +169,17 @@ def test_error_exits(cli):
     _one_line_error(r["busy"], 1, "not empty", "file=")
     _one_line_error(r["missing"], 1, "no such file", "file=")
     assert r["usage"].returncode == 2 and "usage:" in r["usage"].stderr
+
+
+@pytest.mark.parametrize("total", [1234, 3_200_000_000_000])
+def test_progress_bar_scales_small_and_large_jobs(total):
+    import io
+    from te_serial.cli import _ProgressBar
+    out = io.StringIO()
+    bar = _ProgressBar(out, "converting")
+    for done, name in ((0, ""), (total // 3, "a.weight"), (total, "")):
+        bar(done, total, name)
+    bar.close()
+    last = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    size = "1.23k" if total < 1e6 else "3.20T"
+    assert last.startswith("converting: 100%") and f"{size}/{size}" in last and "B/s" in last, last

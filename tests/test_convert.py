@@ -42,6 +42,8 @@ EXACT = {
     "deepseek_fp8": {"fp8_block", "fp8_block_1d", "deepseek_fp8", "modelopt_fp8_pb_wo"},
     "ct_fp8_channel": {"compressed_tensors_fp8", "fp8_block_1d"},
     "nvfp4": {"nvfp4", *_NVFP4_OUT}, "nvfp4_2d": {"nvfp4_2d", "nvfp4", *_NVFP4_OUT},
+    # another amax layout / divisor (6 * 256): exact only into themselves; serving layouts refuse them
+    "nvfp4_4over6": {"nvfp4_4over6"}, "nvfp4_row_scaled": {"nvfp4_row_scaled"},
 }
 #: (max |err| / amax, rel RMSE) bounds of one rounding into each target format
 BOUNDS = {"e4m3": (1 / 16, 0.05), "e5m2": (1 / 8, 0.1), "nvfp4": (0.25, 0.2), "fp16": (1e-3, 1e-3),
@@ -166,7 +168,20 @@ def _stats(ref: torch.Tensor, out: torch.Tensor) -> tuple[bool, float, float, fl
 _NEW_SERVING = {"compressed_tensors_nvfp4", "compressed_tensors_mxfp8", "modelopt_nvfp4", "modelopt_mxfp8",
                 "modelopt_fp8", "modelopt_fp8_pb_wo"}
 _NEW_SERVING_SOURCES = {"te:nvfp4_2d", "te:mxfp8", "te:fp8_current", "plain", "deepseek", "ct_channel"}
-MATRIX = [(s, t) for s in SOURCES for t in TARGETS if t not in _NEW_SERVING or s in _NEW_SERVING_SOURCES]
+#: the NVFP4 variants (4over6, row-scaled; test_nvfp4_variants.py holds their rules) against a few
+#: partners each way, for the same reason
+_VARIANTS = {"nvfp4_4over6", "nvfp4_row_scaled"}
+_VARIANT_PARTNERS = {"te:nvfp4_2d", "plain", "nvfp4", "bf16", "modelopt_nvfp4", "compressed_tensors_nvfp4", *_VARIANTS}
+
+
+def _in_matrix(s: str, t: str) -> bool:
+    src_variant = s.removeprefix("te:") in _VARIANTS
+    if src_variant or t in _VARIANTS:
+        return (t if src_variant else s).removeprefix("te:") in _VARIANT_PARTNERS or s in _VARIANT_PARTNERS
+    return t not in _NEW_SERVING or s in _NEW_SERVING_SOURCES
+
+
+MATRIX = [(s, t) for s in SOURCES for t in TARGETS if _in_matrix(s, t)]
 
 
 @pytest.mark.parametrize("source,target", MATRIX)
@@ -267,13 +282,15 @@ def test_missing_usage_derived_equals_te_quantization(recipe, have, shape, tmp_p
         assert torch.equal(b.view(torch.uint8), want[name].view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (3, 100, 260)])
-@pytest.mark.parametrize("target", ["fp8_block", "fp8_block_1d", "deepseek_fp8", "compressed_tensors_fp8",
-                                    "compressed_tensors_fp8_tensor", "fp8_delayed"])
+_ENGINE_TARGETS = ("deepseek_fp8", "compressed_tensors_fp8", "compressed_tensors_fp8_tensor")
+
+
+@pytest.mark.parametrize("shape,target", [
+    (shape, target) for shape in [(256, 384), (200, 300), (3, 100, 260)]
+    for target in ["fp8_block", "fp8_block_1d", *_ENGINE_TARGETS, "fp8_delayed"]
+    if len(shape) == 2 or target not in _ENGINE_TARGETS])   # engine layouts hold 2-D weights
 def test_per_tensor_fp8_into_block_layouts_is_bit_exact(shape, target, tmp_path):
     """One per-tensor scale written into every block (or channel) gives the same values."""
-    if target in ("deepseek_fp8", "compressed_tensors_fp8", "compressed_tensors_fp8_tensor") and len(shape) != 2:
-        pytest.skip("engine layouts hold 2-D weights")
     x = randn(shape, 4, scale=2.0)
     src = ts.Float8CurrentScalingQuantizer(E4M3)(x)
     ts.save_quantized({"w.weight": src}, tmp_path / "src")
@@ -446,7 +463,8 @@ def test_progress_callback(plain_dir, tmp_path):
     tc.convert(plain_dir, tmp_path / "o", recipe="fp8_current", progress=lambda d, t, n: calls.append((d, t, n)))
     assert calls[0][0] == 0 and calls[-1][0] == calls[-1][1] > 0
     assert [c[0] for c in calls] == sorted(c[0] for c in calls)
-    assert len(calls) == len(plain_state_dict()) + 1
+    assert len(calls) == len(plain_state_dict()) + 2      # the start, each tensor, the end
+    assert calls[-1] == (calls[-1][1], calls[-1][1], "")   # ends at 100 %, whatever was dropped
 
 
 def test_tied_tensors_stay_tied(tmp_path):

@@ -8,8 +8,9 @@ ratios the conversion issue asks for:
 * peak RSS (3 GiB) / peak RSS (1 GiB) — must be ≤ 1.10: memory does not grow with the checkpoint;
 * peak RSS / (4 × the largest tensor's FP32 size + 300 MB) — must be ≤ 1.
 
-The figures include the conversion's own per-tensor check (dequantize both usages, compare with
-the source). Wire it into tools/bench.py with ``add_parser(subparsers)`` and ``run(args)``.
+Each size runs once per ``--stats`` mode (default ``full`` — the conversion's own per-tensor
+check, dequantize both usages and compare with the source — and ``none``); ``--eager`` adds the
+same runs with ``TE_SERIAL_EAGER=1`` and prints fused / eager. Wire it into tools/bench.py with ``add_parser(subparsers)`` and ``run(args)``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import importlib
 tc = importlib.import_module("te_serial.conversion")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
-rep = tc.convert(sys.argv[1], sys.argv[2], recipe=sys.argv[3], max_shard_size="1GB")
+rep = tc.convert(sys.argv[1], sys.argv[2], recipe=sys.argv[3], max_shard_size="1GB", stats=sys.argv[5])
 sec = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 """ + _READ_HWM + r"""
@@ -124,9 +125,9 @@ def _make_in_child(path: Path, total_bytes: int, largest: tuple[int, int]) -> di
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _child(src: Path, dst: Path, recipe: str) -> dict:
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst), recipe, str(ROOT)],
-                         capture_output=True, text=True, check=False)
+def _child(src: Path, dst: Path, recipe: str, stats: str = "full", env: dict | None = None) -> dict:
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst), recipe, str(ROOT), stats],
+                         capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})
     if res.returncode != 0:
         raise SystemExit(f"conversion child failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -235,10 +236,12 @@ def run_export(args) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("convert", help="BF16 checkpoint -> MXFP8: GB/s and peak RSS at two sizes")
+    p = subparsers.add_parser("convert", help="BF16 checkpoint -> MXFP8: GB/s and peak RSS at two sizes, per --stats mode")
     p.add_argument("--gib", default="1,3", help="source sizes in GiB, comma-separated (default 1,3)")
     p.add_argument("--largest", default="8192x4096", help="largest tensor, MxK BF16 (default 8192x4096)")
     p.add_argument("--recipe", default="mxfp8")
+    p.add_argument("--stats", default="full,none", help="convert --stats modes to run, comma-separated (default full,none)")
+    p.add_argument("--eager", action="store_true", help="also run each conversion with TE_SERIAL_EAGER=1 (ratio)")
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--export-gib", type=float, default=1.0, help="size of the NVFP4 export line's source (GiB)")
     p.add_argument("--export-shape", default="8192x4096", help="its tensors' shape (default 8192x4096)")
@@ -253,20 +256,24 @@ def run(args) -> int:
         run_export(args)
         return 0
     sizes = [float(s) for s in str(args.gib).split(",") if s.strip()]
+    modes = [m for m in str(args.stats).split(",") if m.strip()]
     largest = _parse_shape(args.largest)
     work = Path(tempfile.mkdtemp(prefix="te-serial-bench-convert-", dir=args.dir))
     results = []
+    runs = [(m, False) for m in modes] + ([(m, True) for m in modes] if args.eager else [])
     try:
         for gib in sizes:
-            src, dst = work / f"src-{gib:g}g", work / f"dst-{gib:g}g"
+            src = work / f"src-{gib:g}g"
             t0 = time.perf_counter()
             info = _make_in_child(src, int(gib * 2 ** 30), largest)
             gen = time.perf_counter() - t0
-            r = _child(src, dst, args.recipe)
-            r.update(info, gib=gib, gen_seconds=gen)
-            results.append(r)
+            for mode, eager in runs:
+                dst = work / f"dst-{gib:g}g-{mode}"
+                r = _child(src, dst, args.recipe, mode, {"TE_SERIAL_EAGER": "1"} if eager else None)
+                r.update(info, gib=gib, gen_seconds=gen, stats=mode, eager=eager)
+                results.append(r)
+                shutil.rmtree(dst, ignore_errors=True)
             shutil.rmtree(src, ignore_errors=True)
-            shutil.rmtree(dst, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     largest_fp32 = largest[0] * largest[1] * 4
@@ -274,16 +281,22 @@ def run(args) -> int:
     print(f"convert: BF16 safetensors -> te-serial {args.recipe} (both usages), largest tensor "
           f"{largest[0]}x{largest[1]} ({largest_fp32 / 1e6:.0f} MB as FP32), "
           f"{results[0]['threads'] if results else '?'} threads; peak RSS of a child doing only the conversion")
-    print(f"{'source':>10}{'tensors':>9}{'seconds':>9}{'GB/s':>8}{'peak RSS MB':>13}{'VmHWM MB':>10}"
-          f"{'import RSS MB':>15}{'vs bound':>10}")
+    print(f"{'source':>10}{'stats':>7}{'path':>7}{'tensors':>9}{'seconds':>9}{'GB/s':>8}{'peak RSS MB':>13}"
+          f"{'VmHWM MB':>10}{'import RSS MB':>15}{'vs bound':>10}")
     for r in results:
         hwm = f"{r['vm_hwm'] / 1e6:>10.0f}" if r.get("vm_hwm") else f"{'-':>10}"
-        print(f"{r['bytes'] / 2 ** 30:>8.2f}Gi{r['tensors']:>9}{r['seconds']:>9.1f}{r['bytes'] / r['seconds'] / 1e9:>8.3f}"
+        print(f"{r['bytes'] / 2 ** 30:>8.2f}Gi{r['stats']:>7}{'eager' if r['eager'] else 'fused':>7}{r['tensors']:>9}"
+              f"{r['seconds']:>9.1f}{r['bytes'] / r['seconds'] / 1e9:>8.3f}"
               f"{r['peak_rss'] / 1e6:>13.0f}{hwm}{r['import_rss'] / 1e6:>15.0f}{r['peak_rss'] / bound:>10.3f}")
     print(f"bound: 4 x largest FP32 + 300 MB = {bound / 1e6:.0f} MB (ratio must be <= 1)")
-    if len(results) >= 2:
-        growth = results[-1]["peak_rss"] / results[0]["peak_rss"]
-        print(f"peak RSS {results[-1]['gib']:g} GiB / {results[0]['gib']:g} GiB = {growth:.3f} (must be <= 1.10)")
+    for mode in modes:
+        rs = [r for r in results if r["stats"] == mode and not r["eager"]]
+        if len(rs) >= 2:
+            growth = rs[-1]["peak_rss"] / rs[0]["peak_rss"]
+            print(f"stats {mode}: peak RSS {rs[-1]['gib']:g} GiB / {rs[0]['gib']:g} GiB = {growth:.3f} (must be <= 1.10)")
+        eager = [r for r in results if r["stats"] == mode and r["eager"]]
+        for f, e in zip(rs, eager):
+            print(f"stats {mode}, {f['gib']:g} GiB: fused / eager = {e['seconds'] / f['seconds']:.2f}x")
     run_export(args)
     return 0
 

@@ -1,9 +1,11 @@
 """One short device check for a lent GPU: run `python tools/gpu_check.py` (finishes in minutes).
 
-1. te-serial's quantizers on CUDA give the CPU bytes, for every recipe and usage.
+1. te-serial's quantizers on CUDA, compiled (Triton), give the CPU eager bytes for every recipe and
+   usage, and so does dequantize; then quantize GB/s per recipe against a bare x.to(float8).
 2. save_quantized → load_quantized(device="cuda") round trip (pinned, non-blocking staging).
 3. torch.compile(fullgraph=True) of TensorProto.create_tensor + dequantize on CUDA (inductor).
-4. If Transformer Engine with its CUDA extension is importable: TE's own kernels quantize each
+4. convert(device="cuda") writes convert(device="cpu")'s bytes (BF16 → MXFP8 / NVFP4), with GB/s.
+5. If Transformer Engine with its CUDA extension is importable: TE's own kernels quantize each
    recipe; te-serial saves TE's tensors, loads them back as TE tensors; bytes must match and
    TE's GEMM on the loaded weight must equal the GEMM on the original.
 Prints one line per check and exits non-zero on any mismatch.
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import te_serial as ts  # noqa: E402
 from te_serial import formats as tsf  # noqa: E402
+from te_serial.formats import fused  # noqa: E402
 from te_serial.te_interop import is_te_tensor
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
@@ -37,6 +40,62 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits except that any NaN equals any NaN."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and same(torch.where(nan, 0, a), torch.where(nan, 0, b))
+
+
+def quantize_speed(size: int = 8192, repeat: int = 10) -> None:
+    """Fused (Triton) quantize GB/s per recipe, both usages, against a bare x.to(float8) on the device."""
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    gb = x.numel() * x.element_size() / 1e9
+
+    def seconds(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / repeat
+
+    cast = seconds(lambda: x.to(torch.float8_e4m3fn))
+    print(f"quantize {size}x{size} bf16 on cuda, both usages: x.to(float8_e4m3fn) {gb / cast:.0f} GB/s")
+    with fused.policy("fused"):
+        for name in RECIPES:
+            q = recipe_quantizer(name)
+            t0 = time.perf_counter()
+            q(x)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            sec = seconds(lambda: q(x))
+            print(f"  {name:<18} {gb / sec:8.0f} GB/s  {cast / sec:6.3f}x the cast  (first call {first:.1f} s)")
+
+
+def convert_section(tmp: Path) -> None:
+    """convert(device="cuda") writes the bytes convert(device="cpu") writes, and how fast (BF16 → MXFP8)."""
+    from safetensors.torch import save_file
+    src = tmp / "hf"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
+               for i in range(8)}, str(src / "model.safetensors"))
+    reps = {}
+    for dev in ("cpu", "cuda"):
+        for recipe in ("mxfp8", "nvfp4"):
+            t0 = time.time()
+            reps[dev, recipe] = ts.convert(src, tmp / f"{dev}-{recipe}", recipe=recipe, device=dev, stats="full")
+            reps[dev, recipe].seconds = time.time() - t0
+    for recipe in ("mxfp8", "nvfp4"):
+        a, b = ts.load_quantized(tmp / f"cpu-{recipe}"), ts.load_quantized(tmp / f"cuda-{recipe}")
+        ok = all(same(v.buffers()[n], b[k].buffers()[n]) for k, v in a.items() for n in v.buffers())
+        c, g_ = reps["cpu", recipe], reps["cuda", recipe]
+        check(f"convert(device='cuda') bytes == cpu [{recipe}]", ok,
+              f"cpu {c.src_bytes / c.seconds / 1e9:.2f} GB/s, cuda {g_.src_bytes / g_.seconds / 1e9:.2f} GB/s")
 
 
 def te_section(tmp: Path) -> None:
@@ -129,10 +188,17 @@ def main() -> int:
     for name in RECIPES:
         for usage in ((True, False), (False, True), (True, True)):
             q = recipe_quantizer(name, rowwise=usage[0], columnwise=usage[1])
-            cpu, gpu = q(x), q(x.cuda())
-            check(f"cuda quantize == cpu [{name} {usage}]",
+            cpu = q.quantize(x, eager=True)
+            with fused.policy("fused"):  # Triton kernels, against the CPU eager bytes
+                gpu = q(x.cuda())
+                dq = gpu.dequantize(torch.float32)
+            check(f"cuda fused quantize == cpu eager [{name} {usage}]",
                   all(same(getattr(gpu, n), b) for n, b in cpu.buffers().items()))
+            check(f"cuda fused dequantize == cpu eager [{name} {usage}]",
+                  same_values(dq, cpu.dequantize(torch.float32, eager=True)))
             state[f"{name}.{int(usage[0])}{int(usage[1])}"] = gpu
+    check("no fused kernel fell back to eager", not fused.failures(), str(fused.failures()))
+    quantize_speed()
     state["bias"] = torch.randn(1024, device="cuda")
     state["big"] = torch.randn(48 << 20 >> 2, device="cuda")  # spans several staging chunks
     with tempfile.TemporaryDirectory() as d:
@@ -159,6 +225,7 @@ def main() -> int:
         got = torch.compile(use, backend="inductor", fullgraph=True)(*state["mxfp8.11"].buffers().values())
         check("torch.compile(fullgraph) create+dequantize on cuda",
               torch.equal(got, state["mxfp8.11"].dequantize(torch.float32)))
+        convert_section(tmp)
         te_section(tmp)
     print(f"{len(FAILED)} failed, {time.time() - t0:.0f} s")
     return 1 if FAILED else 0

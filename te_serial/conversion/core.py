@@ -31,13 +31,16 @@ from .layouts import FAMILIES as LAYOUTS
 from .layouts.base import codes_check, module_of
 from .layouts.common import SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
-from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, Source, SourceTensor, open_source
+from .pipeline import run_pipeline
+from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
                       usage_label)
-from .transforms import (ROW, ErrorStats, Step, compare, enabled, execute, plan_external, plan_keep_external,
-                         plan_plain, plan_te, values)
+from .transforms import (GROUPED_MODES, ROW, STATS_MODES, ErrorStats, Step, compare, compare_rows, enabled, execute,
+                         plan_external, plan_keep_external, plan_plain, plan_te, rows_of, sample_rows, to_device, values)
 
 __all__ = ["convert", "plan_conversion", "TensorPlan"]
+
+CPU = torch.device("cpu")
 
 ProgressFn = Callable[[int, int, str], Any]
 
@@ -168,11 +171,13 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
     if t.family == "plain":
         return plan_plain(st.quantizer, st.dtype, t.dtype)
     if t.family == "te":
-        use = usages or ((st.quantizer.rowwise, st.quantizer.columnwise) if st.quantizer is not None else (True, True))
-        q = t.quantizer(rowwise=use[0], columnwise=use[1])
+        use = usages or (st.quantizer.default_usages() if st.quantizer is not None else (True, True))
         try:
+            q = t.quantizer(rowwise=use[0], columnwise=use[1])
+            if st.quantizer is not None:
+                q = st.quantizer.for_target(q)   # a grouped weight: each member in the recipe
             q.check_shape(shape)
-        except ShapeError as e:
+        except (ShapeError, FormatError) as e:
             return refuse(str(e))
         return plan_te(st.quantizer, q, dtype, st.dtype)
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
@@ -470,7 +475,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
             dtype: torch.dtype | str = torch.bfloat16, max_shard_size: int | str = "5GB",
             report: str | os.PathLike | None = None, progress: ProgressFn | None = None,
             usages: str | None = None, overwrite: bool = False, activations: str | None = "auto",
-            activation_amax: Mapping[str, float] | str | os.PathLike | None = None) -> ConversionReport:
+            activation_amax: Mapping[str, float] | str | os.PathLike | None = None, stats: str = "full",
+            device: str | torch.device | None = None, grouped: str | None = None) -> ConversionReport:
     """Convert the checkpoint at ``src`` into ``dst``, streaming, and report what happened per tensor.
 
     ``src``: any layout te-serial reads, auto-detected — te-serial (any recipe), plain
@@ -505,13 +511,33 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     ``dst``: a directory (te-serial shards + ``te_serial.msgpack``, or HF shards + index +
     ``config.json``), or a ``.safetensors`` file (te-serial or plain targets).
     ``report``: also save the report as JSON there. ``progress(done_bytes, total_bytes, name)``
-    is called after each tensor.
+    is called after each tensor, and once more with ``done_bytes == total_bytes`` at the end.
+
+    ``stats``: how requantized tensors' error figures are measured — ``"full"`` (every element),
+    ``"sample"`` (evenly spread row blocks, about 1/16 of the rows) or ``"none"``; lossless paths
+    are verified in full whatever the mode, and the report says which mode each figure came from.
+    ``grouped``: grouped (MoE) weights ``<p>.experts.<proj>.weight`` are ``"keep"``-ed (each member
+    converted by the recipe), ``"split"`` into Hugging Face's per-expert tensors
+    ``<p>.experts.<i>.<proj>.weight``, or per-expert tensors are ``"merge"``-d into grouped ones;
+    exact either way. Default: keep for te-serial outputs, split for Hugging Face and serving layouts.
+    ``device``: where tensors are quantized (``"cuda"`` / ``"cpu"``; default CUDA when available);
+    reading, converting and writing overlap (a three-stage pipeline) either way.
     """
     t0 = time.perf_counter()
+    if stats not in STATS_MODES:
+        raise ConversionError(f"stats must be one of {list(STATS_MODES)}, got {stats!r}", field="stats")
+    dev = resolve_device(device)
     src_path, dst_path = Path(src), Path(dst)
     limit = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
     with open_source(src_path, dtype=out_dtype) as source:
+        if grouped is None:
+            grouped = "keep" if Rules(load_rules(rules) if isinstance(rules, (str, os.PathLike)) else rules,
+                                      recipe).family() == "te" else "split"
+        if grouped not in GROUPED_MODES:
+            raise ConversionError(f"grouped must be one of {list(GROUPED_MODES)}, got {grouped!r}", field="grouped")
+        if grouped != "keep":
+            source = GroupedView(source, grouped)
         family, spec, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype, usages=usages,
                                               activations=activations, activation_amax=activation_amax)
         single = dst_path.suffix == ".safetensors"
@@ -520,7 +546,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                                   "give a directory as destination", file=str(dst_path))
         _check_destination(src_path, dst_path, overwrite, single)
         rep = ConversionReport(str(src_path), str(dst_path), source.layout,
-                               spec.name if spec is not None else FAMILY_LAYOUT[family], recipe)
+                               spec.name if spec is not None else FAMILY_LAYOUT[family], recipe,
+                               stats=stats, device=str(dev))
         if spec is not None:
             rep.notes.append(spec.note)
         metadata = dict(source.metadata) if family == "te" else {}
@@ -533,33 +560,38 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
         total = source.nbytes
         done = 0
         reports: dict[str, TensorReport] = {}
-        protos: dict[str, TensorProto] = {}
         if progress is not None:
             progress(0, total, "")
+
+        def read(plan: TensorPlan) -> torch.Tensor:
+            src = _guarded(source, plan, lambda: source.load(plan.name))
+            return to_device(src, dev) if _computes(plan.step) else src
+
+        def compute(plan: TensorPlan, src: torch.Tensor) -> torch.Tensor:
+            nonlocal done
+            result, reports[plan.name], _ = _guarded(
+                source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+            if plan.src.alias_of is None:
+                done += plan.src.nbytes
+            if progress is not None:
+                progress(done, total, plan.name)
+            return result
+
+        def write(plan: TensorPlan, result: torch.Tensor) -> None:
+            _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
+
         try:
+            run_pipeline([p for p in plans if p.alias_of is None], read, compute, write)
             for plan in plans:
-                st = plan.src
                 if plan.alias_of is not None:
-                    ref = reports[plan.alias_of] if plan.alias_of in reports else None
+                    st, ref = plan.src, reports.get(plan.alias_of)
                     reports[plan.name] = TensorReport(plan.name, st.shape, _src_fmt(st), plan.target, "tied",
                                                       ref.label if ref else LOSSLESS,
                                                       ref.max_abs_err if ref else 0.0, ref.rel_rmse if ref else 0.0,
                                                       ref.snr_db if ref else math.inf, 0, 0,
                                                       f"tied to {plan.alias_of}")
-                    continue
-                try:
-                    reports[plan.name], protos[plan.name] = _convert_one(source, plan, out, family)
-                except CheckpointError:
-                    raise  # the reader's own error (file, tensor, field), whatever reads it
-                except TeSerialError as e:
-                    raise ConversionError(str(e), file=_file_of(source, st), tensor=plan.name) from e
-                except (RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
-                    raise ConversionError(f"{type(e).__name__}: {e}", file=_file_of(source, st),
-                                          tensor=plan.name) from e
-                if st.alias_of is None:
-                    done += st.nbytes
-                if progress is not None:
-                    progress(done, total, plan.name)
+            if progress is not None:
+                progress(total, total, "")
             dropped = {name: (source.file(source._where[name]).entries[name].shape, "activation scale", reason,
                               nbytes) for name, (reason, nbytes) in source.dropped.items()}
             for name in (spec.dropped if spec is not None else ()):
@@ -602,17 +634,44 @@ def tensor_plan(st: SourceTensor, step: Step, family: str = "te") -> TensorPlan:
                       _layout(family, st.name, st.shape, step, None))
 
 
-def _convert_one(source: Source, plan: TensorPlan, out: _Output, family: str) -> tuple[TensorReport, TensorProto]:
-    result, rep, proto = convert_tensor(source, plan, family)
-    out.write(plan, result)
-    return rep, proto
+def _guarded(source: Source, plan: TensorPlan, fn: Callable[[], Any]) -> Any:
+    """Run one stage of one tensor's conversion; errors name the tensor and its file."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise  # the reader's own error (file, tensor, field), whatever reads it
+    except TeSerialError as e:
+        raise ConversionError(str(e), file=_file_of(source, plan.src), tensor=plan.name) from e
+    except (RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
+        raise ConversionError(f"{type(e).__name__}: {e}", file=_file_of(source, plan.src), tensor=plan.name) from e
+
+
+def _computes(step: Step) -> bool:
+    """Does this step quantize (the work a GPU speeds up)? Byte relayouts stay on the CPU."""
+    return step.builder in ("quantize", "per_channel") or bool(step.requant)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``convert``'s compute device: CUDA when available unless told; a clear error for one that is not there."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else CPU
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConversionError(f"not a device: {device!r} ({e})", field="device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConversionError(f"device {device!r}: CUDA is not available here; use device='cpu'", field="device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConversionError(f"device {device!r}: convert runs on 'cpu' or 'cuda'", field="device")
+    return dev
 
 
 def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
-                   src: torch.Tensor | None = None) -> tuple[torch.Tensor, TensorReport, TensorProto]:
+                   src: torch.Tensor | None = None, stats: str = "full") -> tuple[torch.Tensor, TensorReport, TensorProto]:
     """The per-tensor step of :func:`convert` (and of ``load_into`` quantizing on the fly): read the
     tensor (or take ``src``, already read), run the plan's step, check the result against the
-    source. Returns (output tensor, its report, its prototype)."""
+    source. Returns (output tensor, its report, its prototype). ``stats``: how a requantized
+    tensor's error figures are measured (:data:`STATS_MODES`); every other path is checked in full."""
     st, step = plan.src, plan.step
     src = source.load(plan.name) if src is None else src
     cache: dict[str, torch.Tensor] = {}
@@ -648,15 +707,23 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
         requantized = step.builder in ("quantize", "per_channel")
         if not requantized and not step.requant:
             cache.clear()
-        stats = None
-        for u in enabled(result.quantizer):
-            src_has = quantized_src and (src.quantizer.rowwise if u == ROW else src.quantizer.columnwise)
-            rebuilt = requantized or u in step.requant
-            ref = values(src, u) if src_has and not rebuilt else primary()
-            s = compare(ref, values(result, u))
-            del ref
-            stats = s if stats is None else stats.worst(s)
-        stats = stats or ErrorStats(True)
+        measured = stats if requantized or step.requant else "full"   # exact paths: always in full
+        if measured == "none":
+            stats = ErrorStats(False, math.nan, math.nan, math.nan)
+        else:
+            rows = sample_rows(st.shape, result, src) if measured == "sample" else None
+            stats = None
+            for u in enabled(result.quantizer):
+                src_has = quantized_src and (src.quantizer.rowwise if u == ROW else src.quantizer.columnwise)
+                rebuilt = requantized or u in step.requant
+                if src_has and not rebuilt:
+                    s = compare_rows(lambda r: values(src, u, rows=r), lambda r: values(result, u, rows=r), rows)
+                else:
+                    s = compare_rows(lambda r: rows_of(primary(), r), lambda r: values(result, u, rows=r), rows)
+                stats = s if stats is None else stats.worst(s)
+            stats = stats or ErrorStats(True)
+        if measured != "full":
+            stats.sampled = measured
     note = step.note
     if step.exact or step.method in ("cast", "dequantize"):
         label = LOSSLESS if stats.exact else LOSSY
@@ -665,7 +732,7 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
                    "buffers are not what their format's layout promises)"
     else:
         label = LOSSY  # a requantized tensor is lossy by its path, whatever this data did
-        if stats.exact:
+        if stats.exact and stats.sampled == "full":
             note = (note + "; " if note else "") + "requantized, and these values came out bit-identical"
     if label == LOSSLESS:
         stats = ErrorStats(True)
@@ -680,5 +747,6 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
             f"codes and block scales byte-identical; the layout's reader applies the global scale with its own "
             f"formula: values within {ulp_max} fp32 ulp of te-serial's on at most {ulp_elements} elements")
     rep = TensorReport(plan.name, st.shape, _src_fmt(st), target_fmt, step.method, label, stats.max_abs_err,
-                       stats.rel_rmse, stats.snr_db, st.nbytes, plan.nbytes, note, ulp_max, ulp_elements)
+                       stats.rel_rmse, stats.snr_db, st.nbytes, plan.nbytes, note, ulp_max, ulp_elements,
+                       stats.sampled)
     return result, rep, proto

@@ -64,6 +64,9 @@ class TensorReport:
     #: differs between the two formulas; zeros among them are equal)
     ulp_max: int = 0
     ulp_elements: int = 0
+    #: over which elements the error figures were measured: "full", "sample" (evenly spread row
+    #: blocks) or "none" (not measured: the figures are NaN). Exact paths are always "full".
+    stats: str = "full"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -80,6 +83,7 @@ class TensorReport:
             d[k] = _unnum(d[k])
         d.setdefault("ulp_max", 0)
         d.setdefault("ulp_elements", 0)
+        d.setdefault("stats", "full")
         return TensorReport(**d)
 
 
@@ -96,6 +100,8 @@ class ConversionReport:
     files: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = dataclasses.field(default_factory=list)
+    stats: str = "full"          # how requantized tensors' error figures were measured
+    device: str = "cpu"          # where the tensors were converted
 
     # --- summaries ------------------------------------------------------------------------------
     @property
@@ -138,7 +144,7 @@ class ConversionReport:
     def summary(self) -> str:
         c = self.counts()
         gbps = self.src_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        worst = min((t.snr_db for t in self.lossy), default=math.inf)
+        worst = min((t.snr_db for t in self.lossy if not math.isnan(t.snr_db)), default=math.inf)
         parts = [f"{len(self.tensors)} tensors: {c[LOSSLESS]} lossless"]
         if c[EXACT_CODES]:
             worst_ulp = max(t.ulp_max for t in self.exact_codes)
@@ -149,8 +155,10 @@ class ConversionReport:
         line = ", ".join(parts)
         line += (f"; {format_bytes(self.src_bytes)} -> {format_bytes(self.dst_bytes)}"
                  f" in {self.seconds:.2f} s ({gbps:.2f} GB/s of source)")
-        if self.lossy:
-            line += f"; worst SNR {worst:.1f} dB"
+        if self.lossy and self.stats != "none":
+            line += f"; worst SNR {worst:.1f} dB" + (" (sampled rows)" if self.stats == "sample" else "")
+        elif self.lossy:
+            line += "; error figures not measured (stats none)"
         return line
 
     # --- table ------------------------------------------------------------------------------------
@@ -164,6 +172,9 @@ class ConversionReport:
             lossy, codes = t.label == LOSSY, t.label == EXACT_CODES
             zero = t.label == LOSSLESS
             result = f"{t.label} (<={t.ulp_max} ulp)" if codes else t.label
+            if lossy and t.stats != "full":
+                result += " (sampled)" if t.stats == "sample" else " (not measured)"
+            lossy = lossy and t.stats != "none"
             rows.append((t.name, "x".join(map(str, t.shape)) or "scalar", t.source, t.target, t.method, result,
                          f"{t.max_abs_err:.4g}" if lossy or codes else "0" if zero else "-",
                          f"{t.rel_rmse:.4g}" if lossy else "0" if zero else "-",
@@ -195,6 +206,7 @@ class ConversionReport:
                 "target_layout": self.target_layout, "recipe": self.recipe, "seconds": self.seconds,
                 "src_bytes": self.src_bytes, "dst_bytes": self.dst_bytes, "lossless": self.lossless,
                 "counts": self.counts(), "files": list(self.files), "notes": list(self.notes),
+                "stats": self.stats, "device": self.device,
                 "tensors": [t.to_dict() for t in self.tensors]}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -210,7 +222,8 @@ class ConversionReport:
     def from_dict(d: dict[str, Any]) -> "ConversionReport":
         return ConversionReport(d["src"], d["dst"], d["source_layout"], d["target_layout"], d.get("recipe"),
                                 [TensorReport.from_dict(t) for t in d["tensors"]], list(d.get("files", [])),
-                                float(d.get("seconds", 0.0)), list(d.get("notes", [])))
+                                float(d.get("seconds", 0.0)), list(d.get("notes", [])), d.get("stats", "full"),
+                                d.get("device", "cpu"))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "ConversionReport":

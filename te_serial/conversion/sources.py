@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointFileError, ManifestError, ShapeError, UnknownLayoutError
+from ..errors import (CheckpointError, CheckpointFileError, ConversionError, FormatError, ManifestError, ShapeError,
+                      UnknownLayoutError)
 from ..proto import TensorProto
 from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
@@ -455,7 +456,8 @@ def _has_manifest(path: Path) -> bool:
             keys = f.keys()
     except CheckpointError:
         return False
-    buffers = {b for cls in STORAGE_REGISTRY.values() for b in cls.BUFFERS}
+    # TE's underscored attribute names only: grouped buffers' bare names (amax, scale_inv…) are common words
+    buffers = {b for cls in STORAGE_REGISTRY.values() for b in cls.BUFFERS if b.startswith("_")}
     if any(k.rsplit(".", 1)[-1] in buffers for k in keys if "." in k):
         raise ManifestError("safetensors file has no te-serial manifest in its header, but its keys are a "
                             "te-serial checkpoint's buffers (the manifest is lost)", file=str(path))
@@ -542,3 +544,65 @@ def open_source(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
         return TeSerialSource(files[0] if files else path, verify=verify)
     config = _read_json(cfg) if cfg is not None else None
     return SafetensorsSource(path, files, key_files, config, cfg, dtype=dtype)
+
+
+# --- grouped (MoE) weights: split into experts, or experts merged ---------------------------------
+
+class GroupedView(Source):
+    """``source`` with its grouped (MoE) weights split into per-expert tensors under Hugging Face's
+    names (``mode="split"``), or its per-expert tensors merged into grouped ones (``"merge"``),
+    exactly; every other tensor passes through. A split reads one expert's bytes at a time.
+    The naming rule and the packing are the grouped format's (``te_serial.formats.grouped``)."""
+
+    def __init__(self, inner: Source, mode: str) -> None:
+        from .transforms import plan_grouped
+        self.__dict__.update(inner.__dict__)  # config, files, notes, activation amax… are the source's
+        self.inner, self.layout = inner, inner.layout
+        self.tensors = {}
+        self._plan = plan_grouped(mode, {n: st.proto for n, st in inner.tensors.items()})
+        for out, (srcs, merged) in self._plan.items():
+            if srcs == [(out, None)]:
+                self.tensors[out] = inner.tensors[out]
+                continue
+            proto = self._merged_proto(out, [n for n, _ in srcs]) if merged else self._member_proto(*srcs[0])
+            q = proto.quantizer
+            fmt = describe_quantizer(q) if q is not None else describe_dtype(proto.dtype)
+            self.tensors[out] = SourceTensor(out, proto, fmt, usage_label(q), proto.nbytes,
+                                             {"grouped": srcs, "merged": merged})
+
+    def _member_proto(self, name: str, i: int) -> TensorProto:
+        p = self.inner.tensors[name].proto
+        q = p.quantizer
+        if q.member is None:
+            return TensorProto(q.member_shapes[i], q.dtype)
+        return TensorProto(q.member_shapes[i], p.dtype, q.member)
+
+    def _merged_proto(self, out: str, names: list[str]) -> TensorProto:
+        from ..formats.grouped import GroupedQuantizer
+        protos = [self.inner.tensors[n].proto for n in names]
+        first = protos[0]
+        if any(p.quantizer != first.quantizer or p.dtype != first.dtype for p in protos):
+            raise ConversionError(f"cannot merge {names[0]} … {names[-1]} into {out}: the experts differ in "
+                                  "format or dtype", tensor=out)
+        try:
+            q = (GroupedQuantizer(member=first.quantizer, member_shapes=[p.shape for p in protos])
+                 if first.quantizer is not None else
+                 GroupedQuantizer(dtype=first.dtype, member_shapes=[p.shape for p in protos]))
+        except (FormatError, ShapeError) as e:
+            raise ConversionError(f"cannot merge {names[0]} … {names[-1]} into {out}: {e}", tensor=out) from None
+        return TensorProto(q.group_shape, first.dtype, q)
+
+    def _load_part(self, name: str, member: int | None) -> torch.Tensor:
+        if member is None:
+            return self.inner.load(name)
+        return self.inner.ckpt.get(name, verify=self.inner.verify, mmap=False, member=member)
+
+    def load(self, name: str) -> torch.Tensor:
+        from .transforms import build_grouped
+        keys = self.tensors[name].keys
+        if "grouped" not in keys:
+            return self.inner.load(name)
+        return build_grouped(keys["grouped"], keys["merged"], self._load_part)
+
+    def close(self) -> None:
+        self.inner.close()

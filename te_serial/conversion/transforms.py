@@ -23,13 +23,15 @@ from .. import numerics as nx
 from ..errors import ConversionError, ShapeError
 from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedTensorStorage, flatten_2d
+from ..formats.slicing import slice_quantized
 from ..proto import TensorProto
 
 ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
 
 __all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_external", "plan_keep_external", "execute",
-           "values", "usage_view", "compare", "ErrorStats", "deepseek_quantizer", "ct_quantizer"]
+           "values", "usage_view", "compare", "compare_rows", "sample_rows", "rows_of", "to_device", "STATS_MODES", "ErrorStats",
+           "deepseek_quantizer", "ct_quantizer"]
 
 _SETTLED = "scale and amax set from this tensor's values"
 
@@ -61,13 +63,68 @@ def usage_view(t: QuantizedTensorStorage, usage: str) -> QuantizedTensorStorage:
     return q.storage_class(t.logical_shape, t.fake_dtype, q, **{n: bufs[n] for n in specs})
 
 
-def values(t: torch.Tensor, usage: str | None = None) -> torch.Tensor:
-    """fp32 values of a plain tensor, or of a quantized tensor's ``usage`` (default: rowwise if present)."""
+def values(t: torch.Tensor, usage: str | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """fp32 values of a plain tensor, or of a quantized tensor's ``usage`` (default: rowwise if
+    present); ``rows``: only that block-aligned range of TE's 2-D view, as ``[rows, K]``."""
     if isinstance(t, QuantizedTensorStorage):
         if usage is not None:
             t = usage_view(t, usage)
+        if rows is not None:
+            t = slice_quantized(t, rows=rows)
         return t.dequantize(torch.float32)
-    return t.to(torch.float32)
+    return rows_of(t, rows).to(torch.float32)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (plain or quantized, same class) with its buffers on ``device``; ``t`` itself if already there."""
+    if isinstance(t, QuantizedTensorStorage):
+        bufs = t.buffers()
+        if all(b.device == device for b in bufs.values()):
+            return t
+        return t._rebuild({n: b.to(device) for n, b in bufs.items()})
+    return t if t.device == device else t.to(device)
+
+
+def rows_of(x: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Rows ``rows`` of a plain tensor's 2-D view (leading dims flattened); all of it for None."""
+    if rows is None:
+        return x
+    return x.reshape(flatten_2d(tuple(x.shape)))[rows[0]:rows[1]]
+
+
+#: how a requantized tensor's error figures are measured: every element, evenly spread row blocks
+#: (about 1/16 of the rows), or not at all. Exact paths are always checked in full.
+STATS_MODES = ("full", "sample", "none")
+#: "sample": row blocks compared, and the share of the rows they cover at least
+SAMPLE_WINDOWS, SAMPLE_SHARE = 8, 1 / 16
+
+
+def sample_rows(shape: tuple[int, ...], *tensors: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Evenly spread row ranges covering about :data:`SAMPLE_SHARE` of a tensor's 2-D rows, aligned
+    to every quantized tensor's slice alignment; None (all rows) for tensors too small to sample."""
+    if len(shape) < 2:
+        return None
+    m, _ = flatten_2d(tuple(shape))
+    align = 1
+    for t in tensors:
+        if isinstance(t, QuantizedTensorStorage):
+            align = math.lcm(align, t.quantizer.slice_alignment()[0])
+    height = max(align, math.ceil(m * SAMPLE_SHARE / SAMPLE_WINDOWS / align) * align)
+    blocks = m // height
+    if blocks <= SAMPLE_WINDOWS:
+        return None
+    picks = sorted({round(i * (blocks - 1) / (SAMPLE_WINDOWS - 1)) for i in range(SAMPLE_WINDOWS)})
+    return [(b * height, (b + 1) * height) for b in picks]
+
+
+def compare_rows(ref: Callable[[tuple[int, int] | None], torch.Tensor],
+                 out: Callable[[tuple[int, int] | None], torch.Tensor],
+                 rows: list[tuple[int, int]] | None) -> ErrorStats:
+    """:func:`compare` over the given row ranges (``ref(r)`` / ``out(r)`` give those rows' values),
+    or over the whole tensors when ``rows`` is None."""
+    if rows is None:
+        return compare(ref(None), out(None))
+    return compare(torch.cat([ref(r).reshape(-1) for r in rows]), torch.cat([out(r).reshape(-1) for r in rows]))
 
 
 @dataclasses.dataclass
@@ -76,10 +133,11 @@ class ErrorStats:
     max_abs_err: float = 0.0
     rel_rmse: float = 0.0
     snr_db: float = math.inf
+    sampled: str = "full"      # over which elements: one of STATS_MODES
 
     def worst(self, other: "ErrorStats") -> "ErrorStats":
         return ErrorStats(self.exact and other.exact, max(self.max_abs_err, other.max_abs_err),
-                          max(self.rel_rmse, other.rel_rmse), min(self.snr_db, other.snr_db))
+                          max(self.rel_rmse, other.rel_rmse), min(self.snr_db, other.snr_db), self.sampled)
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> ErrorStats:
@@ -323,3 +381,36 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
         out.update(part.buffers())
     q.check_buffers(shape, out, where="converted tensor")
     return q.tensor_class(shape, step.out_dtype, q, **out), step
+
+
+# --- grouped (MoE) weights: convert(..., grouped="keep" | "split" | "merge") -------------------------
+# The rules (names, exact split and merge) are te_serial/formats/grouped.py's; this is the hook.
+
+GROUPED_MODES = ("keep", "split", "merge")
+
+
+def plan_grouped(mode: str, protos: dict[str, TensorProto]) -> dict[str, tuple[list[tuple[str, int | None]], bool]]:
+    """Output name → (its sources ``(source name, member index or None)``, whether they are merged),
+    in output order: ``split`` gives each expert of a grouped tensor ``<p>.experts.<proj>.<leaf>`` its
+    own ``<p>.experts.<i>.<proj>.<leaf>``; ``merge`` packs such per-expert tensors back into one;
+    ``keep`` maps every name to itself."""
+    from ..formats.grouped import plan_merge, plan_split
+    if mode == "split":
+        return {out: ([src], False) for out, src in plan_split(protos).items()}
+    if mode == "merge":
+        return {out: ([(s, None) for s in srcs], srcs != [out]) for out, srcs in plan_merge(list(protos)).items()}
+    if mode == "keep":
+        return {name: ([(name, None)], False) for name in protos}
+    raise ConversionError(f"grouped must be one of {GROUPED_MODES}, got {mode!r}")
+
+
+def build_grouped(sources: list[tuple[str, int | None]], merged: bool,
+                  load: Callable[[str, int | None], torch.Tensor]) -> torch.Tensor:
+    """One output tensor of :func:`plan_grouped` from ``load(name, member)`` (e.g.
+    ``Checkpoint.get(name, member=member)``, which reads only that expert): a member, a tensor
+    passed through, or (``merged``) the listed experts packed exactly into a grouped tensor."""
+    from ..formats.grouped import GroupedTensor
+    if merged:
+        return GroupedTensor.from_members([load(name, member) for name, member in sources])
+    [(name, member)] = sources
+    return load(name, member)

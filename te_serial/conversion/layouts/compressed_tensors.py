@@ -28,7 +28,7 @@ import torch
 from ...errors import UnknownLayoutError
 from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
 from .common import ExternalLayout, sidecar_amax
-from .modelopt import e2m1_values, e4m3_values
+from .modelopt import e2m1_values, e4m3_values, require_nvfp4_global_scale
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
@@ -78,6 +78,8 @@ class CompressedTensors(ExternalLayout):
         return [(prefix(name) + key, (1,), F32)]
 
     def export(self, name, t, scheme):
+        if scheme == "nvfp4":
+            require_nvfp4_global_scale(name, t, self.layout_name(scheme))
         parts = split(t, scheme)
         p = prefix(name)
         if scheme == "nvfp4":

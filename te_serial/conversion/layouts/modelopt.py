@@ -30,8 +30,8 @@ import torch
 
 from ... import numerics as nx
 from ..._version import __version__
-from ...errors import UnknownLayoutError
-from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
+from ...errors import ConversionError, UnknownLayoutError
+from .base import E4M3, F32, ROW, codes_check, module_of, prefix, solve_amax, split
 from .common import ExternalLayout, sidecar_amax
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +53,21 @@ def e2m1_values() -> torch.Tensor:
 
 def e4m3_values(scale_bytes: torch.Tensor) -> torch.Tensor:
     return scale_bytes.contiguous().view(E4M3).to(F32)
+
+
+def require_nvfp4_global_scale(name: str, t, layout: str) -> None:
+    """Refuse an NVFP4 weight whose global scale ``layout`` cannot state: the serving layouts hold
+    one per weight, meaning amax / (6 · 448); a per-row amax (row-scaled NVFP4) or another divisor
+    (4over6 with ``nvfp4_e4m3_max=256``) would be written wrong."""
+    q = t.quantizer
+    lay = q.usage_layout(ROW)
+    amax = t.buffers().get(lay.amax) if lay.amax is not None else None
+    if lay.amax_rows or amax is None or amax.numel() != 1 or q.global_scale_divisor() != _E4M3_MAX * nx.FP4_MAX:
+        raise ConversionError(
+            f"{layout} states one global scale per weight, amax / (6 · 448); te-serial's {q.layout_name()} "
+            f"weight (global scale amax / {q.global_scale_divisor():g}"
+            f"{', one amax per row' if lay.amax_rows else ''}) has no such value: requantize it to nvfp4 first",
+            tensor=name)
 
 
 class ModelOpt(ExternalLayout):
@@ -83,6 +98,8 @@ class ModelOpt(ExternalLayout):
         return [(prefix(name) + "input_scale", (), F32)]
 
     def export(self, name, t, scheme):
+        if scheme == "nvfp4":
+            require_nvfp4_global_scale(name, t, self.layout_name(scheme))
         parts = split(t, scheme)
         p = prefix(name)
         out = {name: parts.data, p + "weight_scale": parts.scale}

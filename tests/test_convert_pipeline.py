@@ -1,0 +1,202 @@
+"""convert's three-stage pipeline, its ``stats`` modes and its ``device`` choice."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import te_serial as ts
+from te_serial import errors as tse
+from te_serial.conversion.pipeline import run_pipeline
+from te_serial.formats import QuantizedTensorStorage
+from te_serial.conversion.transforms import SAMPLE_SHARE, SAMPLE_WINDOWS, sample_rows
+
+from _convert_data import randn
+
+tc = importlib.import_module("te_serial.conversion")
+core = importlib.import_module("te_serial.conversion.core")
+
+
+# --- the pipeline ----------------------------------------------------------------------------------
+
+def test_pipeline_keeps_order_and_runs_stages_on_their_threads():
+    seen: list[tuple[str, int, str]] = []
+    main = threading.current_thread().name
+
+    def read(i):
+        seen.append(("read", i, threading.current_thread().name))
+        return i * 10
+
+    def compute(i, data):
+        seen.append(("compute", i, threading.current_thread().name))
+        return data + 1
+
+    written = []
+
+    def write(i, r):
+        seen.append(("write", i, threading.current_thread().name))
+        written.append((i, r))
+
+    run_pipeline(list(range(6)), read, compute, write)
+    assert written == [(i, i * 10 + 1) for i in range(6)]
+    assert {t for s, _, t in seen if s == "compute"} == {main}
+    assert all(t.startswith("te-serial-read") for s, _, t in seen if s == "read")
+    assert all(t.startswith("te-serial-write") for s, _, t in seen if s == "write")
+    # bounded: a read is never more than one item ahead of the compute
+    order = [(s, i) for s, i, _ in seen]
+    for i in range(2, 6):
+        assert order.index(("read", i)) > order.index(("compute", i - 2))
+
+
+@pytest.mark.parametrize("stage", ["read", "compute", "write"])
+def test_pipeline_raises_the_first_error_after_both_threads_stop(stage):
+    written = []
+
+    def fail_at(s, i):
+        if s == stage and i == 3:
+            raise ValueError(f"{s} {i}")
+
+    def read(i):
+        fail_at("read", i)
+        return i
+
+    def compute(i, d):
+        fail_at("compute", i)
+        return d
+
+    def write(i, r):
+        fail_at("write", i)
+        written.append(i)
+
+    with pytest.raises(ValueError, match=f"{stage} 3"):
+        run_pipeline(list(range(8)), read, compute, write)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("te-serial-")] == []
+    assert written == [0, 1, 2]       # nothing after the failure is written
+
+
+def test_a_failed_write_names_the_tensor_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({f"l{i}.weight": randn((64, 64), i) for i in range(5)}, str(src / "model.safetensors"))
+    dst = tmp_path / "out"
+    tc.convert(src, dst, recipe="fp8_current")
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    real = core._Output.write
+
+    def broken(self, plan, out):
+        if plan.name == "l3.weight":
+            raise OSError(28, "No space left on device")
+        return real(self, plan, out)
+
+    monkeypatch.setattr(core._Output, "write", broken)
+    with pytest.raises(tse.ConversionError) as e:
+        tc.convert(src, dst, recipe="mxfp8", overwrite=True)
+    assert e.value.tensor == "l3.weight" and "No space left" in str(e.value)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+
+# --- stats modes -----------------------------------------------------------------------------------
+
+def test_sample_rows_are_aligned_spread_and_about_a_sixteenth():
+    q = ts.MXFP8Quantizer(torch.float8_e4m3fn)
+    t = q(torch.randn(4096, 64))
+    rows = sample_rows((4096, 64), t)
+    align = q.slice_alignment()[0]
+    assert len(rows) == SAMPLE_WINDOWS
+    assert all(a % align == 0 and b % align == 0 and 0 <= a < b <= 4096 for a, b in rows)
+    assert rows[0][0] == 0 and rows[-1][1] == 4096                      # both ends are looked at
+    covered = sum(b - a for a, b in rows)
+    assert SAMPLE_SHARE * 4096 <= covered <= 2 * SAMPLE_SHARE * 4096
+    assert sample_rows((64, 64), t) is None                             # too small: all rows
+    assert sample_rows((4096,), torch.randn(4096)) is None              # 1-D: all of it
+
+
+@pytest.fixture(scope="module")
+def mixed_source(tmp_path_factory):
+    """A te-serial checkpoint: one MXFP8 weight (exact path to mxfp8 rowwise) and one BF16 weight
+    (quantized: lossy), both tall enough to be sampled."""
+    root = tmp_path_factory.mktemp("stats")
+    w = randn((2048, 256), 1, scale=1.0)
+    sd = {"a.weight": ts.MXFP8Quantizer(torch.float8_e4m3fn)(randn((2048, 256), 2, scale=1.0)), "b.weight": w}
+    ts.save_quantized(sd, root / "src")
+    return root / "src"
+
+
+@pytest.mark.parametrize("mode", ["full", "sample", "none"])
+def test_stats_modes(mixed_source, tmp_path, mode):
+    rules = {"*": "mxfp8"}
+    rep = tc.convert(mixed_source, tmp_path / mode, rules=rules, usages="rowwise", stats=mode)
+    full = tc.convert(mixed_source, tmp_path / "ref", rules=rules, usages="rowwise", overwrite=True)
+    a, b = rep["a.weight"], rep["b.weight"]
+    assert a.label == "lossless" and a.stats == "full"                 # exact paths: checked in full
+    assert b.label == "lossy" and b.stats == mode and rep.stats == mode
+    fb = full["b.weight"]
+    if mode == "none":
+        assert math.isnan(b.max_abs_err) and math.isnan(b.snr_db)
+        assert "not measured" in rep.table() and "not measured" in rep.summary()
+    else:
+        assert 0 < b.max_abs_err <= fb.max_abs_err                     # a sample never finds more
+        assert b.rel_rmse == pytest.approx(fb.rel_rmse, rel=0.2)
+    if mode == "sample":
+        assert "(sampled)" in rep.table()
+    back = tc.ConversionReport.from_dict(rep.to_dict())                 # JSON keeps the mode
+    assert back.stats == mode and back["b.weight"].stats == mode
+    assert ts.load_quantized(tmp_path / mode)["b.weight"].buffers().keys() == \
+        ts.load_quantized(tmp_path / "ref")["b.weight"].buffers().keys()
+
+
+@pytest.mark.parametrize("mode", ["full", "sample", "none"])
+def test_lossless_paths_are_verified_in_full_in_every_mode(mixed_source, tmp_path, monkeypatch, mode):
+    """A wrong byte in a row no sample looks at still turns an exact path's label to lossy."""
+    real = core.execute
+    rows = sample_rows((2048, 256), ts.load_quantized(mixed_source)["a.weight"])
+    looked = {r for a, b in rows for r in range(a, b)}
+    row = next(r for r in range(100, 2048) if r not in looked)
+
+    def corrupt(step, src, x_fn):
+        out, step = real(step, src, x_fn)
+        if isinstance(out, QuantizedTensorStorage) and step.exact:
+            data = out.buffers()["_rowwise_data"].clone()  # (a copy: the output may share the source's bytes)
+            data.view(torch.uint8)[row, 7] ^= 0x01
+            out = out._rebuild({**out.buffers(), "_rowwise_data": data})
+        return out, step
+
+    monkeypatch.setattr(core, "execute", corrupt)
+    rep = tc.convert(mixed_source, tmp_path / "o", rules={"*": "mxfp8"}, usages="rowwise", stats=mode)
+    a = rep["a.weight"]
+    assert a.label == "lossy" and a.stats == "full" and "expected an exact path" in a.note
+
+
+def test_bad_stats_and_device_values_are_clear_errors(mixed_source, tmp_path):
+    with pytest.raises(tse.ConversionError, match="stats must be one of"):
+        tc.convert(mixed_source, tmp_path / "o", recipe="mxfp8", stats="most")
+    with pytest.raises(tse.ConversionError, match="not a device"):
+        tc.convert(mixed_source, tmp_path / "o", recipe="mxfp8", device="gpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(tse.ConversionError, match="CUDA is not available"):
+            tc.convert(mixed_source, tmp_path / "o", recipe="mxfp8", device="cuda")
+    assert not (tmp_path / "o").exists()
+
+
+def test_default_device_is_recorded(mixed_source, tmp_path):
+    rep = tc.convert(mixed_source, tmp_path / "o", recipe="mxfp8")
+    assert rep.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert tc.ConversionReport.from_dict(rep.to_dict()).device == rep.device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "fp8_block", "nvfp4"])
+def test_cuda_convert_writes_the_cpu_bytes(mixed_source, tmp_path, recipe):
+    cpu = tc.convert(mixed_source, tmp_path / "cpu", recipe=recipe, device="cpu")
+    gpu = tc.convert(mixed_source, tmp_path / "gpu", recipe=recipe, device="cuda")
+    assert gpu.device.startswith("cuda") and [t.label for t in gpu.tensors] == [t.label for t in cpu.tensors]
+    a, b = ts.load_quantized(tmp_path / "cpu"), ts.load_quantized(tmp_path / "gpu")
+    for name, t in a.items():
+        for k, buf in t.buffers().items():
+            assert torch.equal(buf.view(torch.uint8), b[name].buffers()[k].view(torch.uint8)), (name, k)
