@@ -141,18 +141,18 @@ try:
 except OSError:
     pass
 sys.path.insert(0, sys.argv[4])
+import importlib
+from pathlib import Path
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 mode, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
-t0 = time.perf_counter()
+tc = importlib.import_module("te_serial.conversion") if mode == "export" else None
+t0 = time.perf_counter()  # imports are done on both sides: the clock times the work alone
 if mode == "export":
-    import importlib
-    tc = importlib.import_module("te_serial.conversion")
     rep = tc.convert(src, dst, recipe="modelopt_nvfp4", max_shard_size="1GB")
     nbytes, labels = rep.dst_bytes, rep.counts()
 else:  # a plain safetensors copy of the same bytes: every tensor read, written with save_file, fsync'd
-    from pathlib import Path
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     os.makedirs(dst, exist_ok=True)
     nbytes, labels = 0, {}
     for p in sorted(Path(src).glob("*.safetensors")):
@@ -215,7 +215,8 @@ def run_export(args) -> None:
         for rep in range(args.repeat):
             for mode in ("copy", "export"):  # interleaved, A/B
                 dst = work / f"{mode}-{rep}"
-                r = _export_child(mode, src if mode == "export" else src, dst)
+                os.sync()  # each side starts with the previous run's writes and deletions on disk
+                r = _export_child(mode, src, dst)
                 rows.append((mode, r))
                 shutil.rmtree(dst, ignore_errors=True)
     finally:

@@ -410,6 +410,7 @@ class _PlannedFile:
         self.header_len = len(header_bytes(self.entries, placeholder))
         self.fd = -1
         self.written: set[str] = set()
+        self.done = False
 
     @property
     def size(self) -> int:
@@ -425,8 +426,16 @@ class _PlannedFile:
         _pwrite_all(self.fd, data, 8 + self.header_len + self.offsets[key][2])
         self.written.add(key)
 
+    @property
+    def complete(self) -> bool:
+        """Every planned buffer written, and the header known without more data (no reserve)."""
+        return self.reserve is None and len(self.written) == len(self.offsets)
+
     def finish(self, metadata: Mapping[str, str] | None = None) -> int:
-        """Write the header, fsync and close (the file stays at its temporary name); returns its size."""
+        """Write the header, fsync and close (the file stays at its temporary name); returns its size.
+        A second call (the file was finished as soon as it was complete) only returns the size."""
+        if self.done:
+            return self.size
         missing = set(self.offsets) - self.written
         if missing:
             raise CheckpointError(f"{len(missing)} planned buffers were never written, e.g. {sorted(missing)[0]!r}",
@@ -441,6 +450,7 @@ class _PlannedFile:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        self.done = True
         return self.size
 
     def _rewrite(self, header: bytes) -> None:
@@ -528,14 +538,15 @@ class ShardSet:
         if key in f.written:
             raise CheckpointError("buffer written twice", file=str(f.final), field=key)
         data = tensor_bytes(t)
-        if not with_checksum:
-            f.write(key, data)
-            return None
-        if self._hasher is None:  # xxhash and pwrite both release the GIL: hash while writing
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
-        digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
+        digest = None
+        if with_checksum:
+            if self._hasher is None:  # xxhash and pwrite both release the GIL: hash while writing
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
+            digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
         f.write(key, data)
-        return digest.result()
+        if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
+            f.finish()
+        return digest.result() if digest is not None else None
 
     def finish(self, metadata: Mapping[str, str] | None = None) -> dict[str, int]:
         """fsync every file (``metadata``: the data-dependent header of a single file); name → size."""

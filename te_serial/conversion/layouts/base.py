@@ -27,7 +27,6 @@ import dataclasses
 import math
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ...formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
@@ -175,8 +174,7 @@ def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch
     shape = tuple(t.logical_shape)
     lay = q.usage_layout(ROW)
     grid = q.block_scales(b, shape, ROW)                       # [M, K/B] scale bytes
-    # numpy's bincount of bytes runs ~3x faster than torch's on CPU (one pass over M·K/16 scale bytes)
-    counts = torch.from_numpy(np.bincount(grid.reshape(-1).view(torch.uint8).cpu().numpy(), minlength=256))
+    counts = torch.bincount(grid.reshape(-1).view(torch.uint8), minlength=256)
     block = lay.grid[1]
     # te-serial's value of every (scale byte, code): a [256, width] tensor of q's own format,
     # row s holding every code under block scale byte s, with t's tensor amax
