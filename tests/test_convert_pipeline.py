@@ -200,3 +200,22 @@ def test_cuda_convert_writes_the_cpu_bytes(mixed_source, tmp_path, recipe):
     for name, t in a.items():
         for k, buf in t.buffers().items():
             assert torch.equal(buf.view(torch.uint8), b[name].buffers()[k].view(torch.uint8)), (name, k)
+
+
+def test_full_stats_by_row_windows_equal_the_whole_tensor_comparison(monkeypatch):
+    """"full" statistics dequantize a window of rows at a time (bounded memory) and give the figures
+    one comparison of the whole tensors gives."""
+    from te_serial.conversion import transforms as tr
+    x = randn((1024, 256), 5, scale=1.0).float()
+    x[7, 3] = float("inf")
+    t = ts.MXFP8Quantizer(torch.float8_e4m3fn)(x)
+    monkeypatch.setattr(tr, "FULL_WINDOW_BYTES", 64 * 256 * 4)
+    rows = tr.all_rows(tuple(x.shape), t)
+    assert len(rows) == 16 and rows[0] == (0, 64) and rows[-1] == (960, 1024)
+    for u in ("rowwise", "columnwise"):
+        whole = tr.compare(x, tr.values(t, u))
+        windows = tr.compare_rows(lambda r: tr.rows_of(x, r), lambda r: tr.values(t, u, rows=r), rows)
+        assert windows.exact == whole.exact and windows.max_abs_err == whole.max_abs_err
+        # the sums are fp32 dot products per chunk: other chunk bounds, other last bits
+        assert windows.rel_rmse == pytest.approx(whole.rel_rmse, rel=1e-5)
+        assert windows.snr_db == pytest.approx(whole.snr_db, rel=1e-5)

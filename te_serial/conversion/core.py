@@ -36,7 +36,8 @@ from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source,
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
                       usage_label)
 from .transforms import (GROUPED_MODES, ROW, STATS_MODES, ErrorStats, Step, compare, compare_rows, enabled, execute,
-                         plan_external, plan_keep_external, plan_plain, plan_te, rows_of, sample_rows, to_device, values)
+                         all_rows, plan_external, plan_keep_external, plan_plain, plan_te, rows_of, sample_rows, to_device,
+                         values)
 
 __all__ = ["convert", "plan_conversion", "TensorPlan"]
 
@@ -711,7 +712,7 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
         if measured == "none":
             stats = ErrorStats(False, math.nan, math.nan, math.nan)
         else:
-            rows = sample_rows(st.shape, result, src) if measured == "sample" else None
+            rows = (sample_rows if measured == "sample" else all_rows)(st.shape, result, src)
             stats = None
             for u in enabled(result.quantizer):
                 src_has = quantized_src and (src.quantizer.rowwise if u == ROW else src.quantizer.columnwise)
@@ -721,7 +722,8 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
                 else:
                     s = compare_rows(lambda r: rows_of(primary(), r), lambda r: values(result, u, rows=r), rows)
                 stats = s if stats is None else stats.worst(s)
-            stats = stats or ErrorStats(True)
+            if stats is None:  # no 2-D usage of its own (a grouped tensor): its values as a whole
+                stats = compare(primary(), values(result))
         if measured != "full":
             stats.sampled = measured
     note = step.note

@@ -30,7 +30,7 @@ ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
 
 __all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_external", "plan_keep_external", "execute",
-           "values", "usage_view", "compare", "compare_rows", "sample_rows", "rows_of", "to_device", "STATS_MODES", "ErrorStats",
+           "values", "usage_view", "compare", "compare_rows", "sample_rows", "all_rows", "rows_of", "to_device", "STATS_MODES", "ErrorStats",
            "deepseek_quantizer", "ct_quantizer"]
 
 _SETTLED = "scale and amax set from this tensor's values"
@@ -124,7 +124,30 @@ def compare_rows(ref: Callable[[tuple[int, int] | None], torch.Tensor],
     or over the whole tensors when ``rows`` is None."""
     if rows is None:
         return compare(ref(None), out(None))
-    return compare(torch.cat([ref(r).reshape(-1) for r in rows]), torch.cat([out(r).reshape(-1) for r in rows]))
+    c = _Comparison()
+    for r in rows:  # one window at a time: memory is a window's values, not the tensor's
+        c.add(ref(r), out(r))
+    return c.result()
+
+
+#: "full" statistics of a large tensor dequantize this many fp32 bytes of rows at a time
+FULL_WINDOW_BYTES = 16 << 20
+
+
+def all_rows(shape: tuple[int, ...], *tensors: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Row windows covering every row of a tensor, each about :data:`FULL_WINDOW_BYTES` of fp32 and
+    aligned to every quantized tensor's slice alignment; None (one piece) when it is small."""
+    if len(shape) < 2:
+        return None
+    m, k = flatten_2d(tuple(shape))
+    align = 1
+    for t in tensors:
+        if isinstance(t, QuantizedTensorStorage):
+            align = math.lcm(align, t.quantizer.slice_alignment()[0])
+    height = max(align, FULL_WINDOW_BYTES // (4 * max(k, 1)) // align * align)
+    if height >= m:
+        return None
+    return [(r, min(r + height, m)) for r in range(0, m, height)]
 
 
 @dataclasses.dataclass
@@ -140,6 +163,49 @@ class ErrorStats:
                           max(self.rel_rmse, other.rel_rmse), min(self.snr_db, other.snr_db), self.sampled)
 
 
+class _Comparison:
+    """Running bit-exactness and error sums over pieces of two tensors (see :func:`compare`)."""
+
+    def __init__(self) -> None:
+        self.exact, self.nonfinite_mismatch = True, False
+        self.max_abs = self.err2 = self.sig2 = 0.0
+
+    def add(self, ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> None:
+        a, b = ref.reshape(-1), out.reshape(-1)  # any float dtypes: widened to fp32 chunk by chunk
+        for i in range(0, a.numel(), chunk):
+            x, y = a[i:i + chunk].to(torch.float32), b[i:i + chunk].to(torch.float32)
+            if self.exact and not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                nx_, ny_ = torch.isnan(x), torch.isnan(y)
+                self.exact = torch.equal(nx_, ny_) and torch.equal(
+                    torch.where(nx_, 0, x.view(torch.int32)), torch.where(ny_, 0, y.view(torch.int32)))
+            d = y - x
+            m = float(d.abs().max()) if d.numel() else 0.0
+            if not math.isfinite(m):  # a non-finite value on either side: compare the finite ones
+                fx, fy = torch.isfinite(x), torch.isfinite(y)
+                both = fx & fy
+                same_nonfinite = (~fx & ~fy) & ((x == y) | (torch.isnan(x) & torch.isnan(y)))
+                if bool((~both & ~same_nonfinite).any()):
+                    self.nonfinite_mismatch = True
+                x = torch.where(both, x, 0)
+                d = torch.where(both, d, 0)
+                m = float(d.abs().max())
+            self.max_abs = max(self.max_abs, m)
+            e2, s2 = float(torch.dot(d, d)), float(torch.dot(x, x))  # fp32 BLAS per chunk, summed in fp64
+            if not (math.isfinite(e2) and math.isfinite(s2)):
+                e2 = float(torch.sum(d.double() ** 2))
+                s2 = float(torch.sum(x.double() ** 2))
+            self.err2 += e2
+            self.sig2 += s2
+
+    def result(self) -> ErrorStats:
+        if self.exact:
+            return ErrorStats(True)
+        err2, sig2 = self.err2, self.sig2
+        rel = math.sqrt(err2 / sig2) if sig2 > 0 else (0.0 if err2 == 0 else math.inf)
+        snr = math.inf if err2 == 0 else (10 * math.log10(sig2 / err2) if sig2 > 0 else -math.inf)
+        return ErrorStats(False, math.inf if self.nonfinite_mismatch else self.max_abs, rel, snr)
+
+
 def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> ErrorStats:
     """Bit-exactness (NaN-aware) and error figures of ``out`` against ``ref`` (same shape, compared
     as fp32 values).
@@ -149,42 +215,9 @@ def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> Error
     """
     if ref.shape != out.shape:
         raise ConversionError(f"shapes differ: {tuple(ref.shape)} vs {tuple(out.shape)}")
-    a, b = ref.reshape(-1), out.reshape(-1)  # any float dtypes: widened to fp32 chunk by chunk
-    exact = True
-    max_abs = 0.0
-    err2 = sig2 = 0.0
-    nonfinite_mismatch = False
-    for i in range(0, a.numel(), chunk):
-        x, y = a[i:i + chunk].to(torch.float32), b[i:i + chunk].to(torch.float32)
-        if exact and not torch.equal(x.view(torch.int32), y.view(torch.int32)):
-            nx_, ny_ = torch.isnan(x), torch.isnan(y)
-            exact = torch.equal(nx_, ny_) and torch.equal(
-                torch.where(nx_, 0, x.view(torch.int32)), torch.where(ny_, 0, y.view(torch.int32)))
-        d = y - x
-        m = float(d.abs().max()) if d.numel() else 0.0
-        if not math.isfinite(m):  # a non-finite value on either side: compare the finite ones
-            fx, fy = torch.isfinite(x), torch.isfinite(y)
-            both = fx & fy
-            same_nonfinite = (~fx & ~fy) & ((x == y) | (torch.isnan(x) & torch.isnan(y)))
-            if bool((~both & ~same_nonfinite).any()):
-                nonfinite_mismatch = True
-            x = torch.where(both, x, 0)
-            d = torch.where(both, d, 0)
-            m = float(d.abs().max())
-        max_abs = max(max_abs, m)
-        e2, s2 = float(torch.dot(d, d)), float(torch.dot(x, x))  # fp32 BLAS per chunk, summed in fp64
-        if not (math.isfinite(e2) and math.isfinite(s2)):
-            e2 = float(torch.sum(d.double() ** 2))
-            s2 = float(torch.sum(x.double() ** 2))
-        err2 += e2
-        sig2 += s2
-    if nonfinite_mismatch:
-        max_abs = math.inf
-    if exact:
-        return ErrorStats(True)
-    rel = math.sqrt(err2 / sig2) if sig2 > 0 else (0.0 if err2 == 0 else math.inf)
-    snr = math.inf if err2 == 0 else (10 * math.log10(sig2 / err2) if sig2 > 0 else -math.inf)
-    return ErrorStats(False, max_abs, rel, snr)
+    c = _Comparison()
+    c.add(ref, out, chunk)
+    return c.result()
 
 
 # --- plans -----------------------------------------------------------------------------------------
