@@ -99,16 +99,22 @@ STATS_MODES = ("full", "sample", "none")
 SAMPLE_WINDOWS, SAMPLE_SHARE = 8, 1 / 16
 
 
+def _row_align(tensors: tuple[torch.Tensor, ...]) -> int:
+    """Rows a range must start on so that every quantized tensor among ``tensors`` can be sliced there."""
+    align = 1
+    for t in tensors:
+        if isinstance(t, QuantizedTensorStorage):
+            align = math.lcm(align, t.quantizer.slice_alignment()[0])
+    return align
+
+
 def sample_rows(shape: tuple[int, ...], *tensors: torch.Tensor) -> list[tuple[int, int]] | None:
     """Evenly spread row ranges covering about :data:`SAMPLE_SHARE` of a tensor's 2-D rows, aligned
     to every quantized tensor's slice alignment; None (all rows) for tensors too small to sample."""
     if len(shape) < 2:
         return None
     m, _ = flatten_2d(tuple(shape))
-    align = 1
-    for t in tensors:
-        if isinstance(t, QuantizedTensorStorage):
-            align = math.lcm(align, t.quantizer.slice_alignment()[0])
+    align = _row_align(tensors)
     height = max(align, math.ceil(m * SAMPLE_SHARE / SAMPLE_WINDOWS / align) * align)
     blocks = m // height
     if blocks <= SAMPLE_WINDOWS:
@@ -140,10 +146,7 @@ def all_rows(shape: tuple[int, ...], *tensors: torch.Tensor) -> list[tuple[int, 
     if len(shape) < 2:
         return None
     m, k = flatten_2d(tuple(shape))
-    align = 1
-    for t in tensors:
-        if isinstance(t, QuantizedTensorStorage):
-            align = math.lcm(align, t.quantizer.slice_alignment()[0])
+    align = _row_align(tensors)
     height = max(align, FULL_WINDOW_BYTES // (4 * max(k, 1)) // align * align)
     if height >= m:
         return None
