@@ -49,16 +49,15 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
 
     TE: common/recipe/current_scaling.cu (amax_kernel), cast/mxfp8/quantize_mxfp8.cuh. The max
     of |x| is one of the inputs, so it is taken in the input dtype (exact) and widened after.
-    Eager, the NaN-masking pass runs only when a NaN reached the result; compiled, the mask is
-    fused into the one reduction (no data-dependent branch).
+    Eager, the NaN-masking pass runs only when a NaN reached the result; a compiled graph never
+    sees a NaN (``formats.fused`` runs such inputs eager), so it is a plain reduction.
     """
     if x.numel() == 0:  # amax of nothing is 0, in the shape the reduction would have
         if dim is None:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         return torch.zeros_like(x, dtype=torch.float32).sum(dim=dim, keepdim=keepdim)
     a = x.abs()
-    if torch.compiler.is_compiling():
-        a = torch.where(a == a, a, torch.zeros((), dtype=x.dtype, device=x.device))
+    if torch.compiler.is_compiling():  # compiled graphs see NaN-free inputs only (``formats.fused``)
         return (a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)).float()
     m = a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
     if bool(isnan(m).any()):
@@ -67,18 +66,39 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
     return m.float()
 
 
+@torch.library.custom_op("te_serial::per_block", mutates_args=())
+def _per_block(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_per_block.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def per_block(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (per-block scales), computed once per block in a compiled graph: an opaque op that
+    inductor cannot inline, so the scale's dozen integer ops and selects are not redone for every
+    vector of elements in the cast loop (2-4x slower). The identity, with no copy, when eager."""
+    return _per_block(x) if torch.compiler.is_compiling() else x
+
+
 def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
                           fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bits of ``fp32(x) * scale`` (``scale`` broadcastable, fp32): the kernels' quantize step.
 
     Works on one fresh fp32 buffer in place. After clamping, 0xFF can only come from a negative
     NaN (±inf and the all-ones E4M3 code are out of range), so mapping it to 0x7F canonicalizes NaN.
+
+    Compiled (``formats.fused``), the input holds no NaN (NaN inputs run eager), so there is nothing
+    to canonicalize, and the result stays ``fp8_dtype`` (same bytes) for the caller to view as
+    bits outside the graph: inductor vectorizes fp8 stores, transposed ones included, but not a
+    select on uint8, which halves its speed.
     """
     m = FP8_MAX[fp8_dtype]
-    if torch.compiler.is_compiling():  # out of place: in-place ops and masked_fill_ stop inductor's fusion
+    if torch.compiler.is_compiling():  # out of place: in-place ops stop inductor's fusion
         y = x.float() * scale if scale is not None else x.float()
-        bits = y.clamp(-m, m).to(fp8_dtype).view(torch.uint8)
-        return torch.where(bits == 0xFF, torch.full_like(bits, 0x7F), bits)
+        return y.clamp(-m, m).to(fp8_dtype)
     y = x.to(torch.float32, copy=True)
     if scale is not None:
         y.mul_(scale)
@@ -216,6 +236,6 @@ def ceil_div(a: int, b: int) -> int:
 def pad_to(t: torch.Tensor, shape: tuple[int, ...], value: float = 0) -> torch.Tensor:
     """Pad a 2-D tensor at the bottom/right to ``shape`` with ``value`` (padding is zeroed)."""
     rows, cols = shape
-    if not torch.compiler.is_compiling() and (rows, cols) == tuple(t.shape):
-        return t  # (compiled, a no-op pad fuses away; testing for it would split shape classes)
+    if (rows, cols) == tuple(t.shape):  # compiled: a guard, so block-aligned shapes (every real
+        return t                         # weight) get a graph without masked loads or padded copies
     return torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]), value=value)

@@ -12,11 +12,11 @@ import torch
 import te_serial as ts
 from te_serial import formats as tsf
 
-INPUT_KINDS = ("random", "zeros", "tiny", "outliers", "specials")
+INPUT_KINDS = ("random", "zeros", "tiny", "outliers", "infinities", "specials")
 
 
 def make_input(kind: str, shape, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
-    """Adversarial inputs: random, all-zero, tiny magnitudes, heavy outliers, inf/NaN."""
+    """Adversarial inputs: random, all-zero, tiny magnitudes, heavy outliers, ±inf, inf/NaN."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=torch.float32)
     if kind == "zeros":
@@ -28,6 +28,12 @@ def make_input(kind: str, shape, dtype=torch.bfloat16, seed: int = 0) -> torch.T
         idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
         flat[idx] = torch.randn(idx.numel(), generator=g) * 3e4
         flat[0] = 6e4 if dtype != torch.float16 else 6e4
+    elif kind == "infinities":  # no NaN: what the compiled path sees (NaN inputs run eager)
+        flat = x.view(-1)
+        n = flat.numel()
+        flat[n // 2] = float("inf")
+        flat[(2 * n) // 3] = float("-inf")
+        flat[1] = -0.0
     elif kind == "specials":
         flat = x.view(-1)
         n = flat.numel()

@@ -105,6 +105,46 @@ def test_compiles_once_per_shape_class_not_per_tensor():
     assert compiles == 2, f"{compiles} compiles for 30 tensors of 6 shapes (want: one quantize, one dequantize)"
 
 
+def test_nan_inputs_run_eager_and_infinities_compile():
+    """A compiled graph never sees a NaN (it has no NaN masks): a NaN anywhere, even the last
+    element, runs the eager code under policy "fused" and compiles nothing; ±inf alone compiles."""
+    q = ts.Float8CurrentScalingQuantizer(torch.float8_e5m2, amax_epsilon=1e-6)  # used by no other test
+    x = make_input("random", (256, 384), torch.bfloat16, seed=11)
+    for i in (0, x.numel() // 2, x.numel() - 1):
+        for nan in (float("nan"), -float("nan")):
+            y = x.clone()
+            y.view(-1)[i] = nan
+            assert fused.may_hold_nan(y) and fused.may_hold_nan(y.float())
+            before = fused.compile_count()
+            with compiled_only():
+                got = q.quantize(y)
+            assert fused.compile_count() == before, "a NaN input reached a compiled graph"
+            assert_same_buffers(got.buffers(), q.quantize(y, eager=True).buffers(), f"NaN at {i}")
+    inf = make_input("infinities", (256, 384), torch.bfloat16, seed=11)
+    assert not fused.may_hold_nan(inf) and not fused.may_hold_nan(torch.empty(0))
+    before = fused.compile_count()
+    with compiled_only():
+        got = q.quantize(inf)
+    assert fused.compile_count() > before
+    assert_same_buffers(got.buffers(), q.quantize(inf, eager=True).buffers(), "±inf compiled")
+
+
+def test_threads_quantize_at_once():
+    """Compiled calls from several threads (convert's pipeline, a user's pool): dynamo's process-wide
+    config patch is held by one call at a time, and every result has the eager bytes."""
+    import concurrent.futures
+    q = ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, amax_epsilon=1e-7)  # no other test
+    xs = [make_input("random", (256 + 128 * (i % 3), 512), torch.bfloat16, seed=40 + i) for i in range(8)]
+
+    def work(x):
+        with compiled_only():
+            return q.quantize(x)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(work, xs))
+    for x, t in zip(xs, got):
+        assert_same_buffers(t.buffers(), q.quantize(x, eager=True).buffers(), "threaded")
+
+
 def test_eager_switches_compile_nothing(monkeypatch):
     """TE_SERIAL_EAGER=1, quantize(eager=True), dequantize(eager=True) and policy("eager") each keep
     a fresh configuration from compiling; tensors under MIN_NUMEL stay eager in "auto"."""

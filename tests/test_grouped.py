@@ -118,7 +118,7 @@ def test_from_members_packs_as_te_and_splits_back_exactly(qname, shapes):
 def test_quantize_of_the_group_is_its_members_quantized(qname):
     members = members_of(qname, "rows", seed=3)
     g = G.from_members(members)
-    x = g.quantizer.join_values([make_input(INPUT_KINDS[(i + 3) % 5], m.shape, torch.bfloat16, 3 + i)
+    x = g.quantizer.join_values([make_input(INPUT_KINDS[(i + 3) % len(INPUT_KINDS)], m.shape, torch.bfloat16, 3 + i)
                                  for i, m in enumerate(members)])
     again = g.quantizer.quantize(x)
     assert_same_tensor(again, g)

@@ -548,11 +548,11 @@ class Quantizer:
         specs = self.describe_buffers(shape)
         x2 = x.reshape(m, k)
         args = self._kernel_args(x.device)
-        if fused.wants_fused(x.numel(), x.device, self.fusable()):
+        if fused.wants_fused(x.numel(), x.device, self.fusable()) and not fused.may_hold_nan(x2):
             got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
                             self, x2.detach(), args)  # detach: no view of x, whose strides would be guarded
-            if got is not None:
-                return {n: got[n].reshape(specs[n].shape) for n in specs}
+            if got is not None:  # FP8 data comes back typed (fast stores): the same bytes, viewed
+                return {n: got[n].view(specs[n].dtype).reshape(specs[n].shape) for n in specs}
         out = {}
         for name, spec in specs.items():
             make = torch.empty if name.endswith(("_data", "_transpose")) else torch.zeros

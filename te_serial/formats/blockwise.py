@@ -46,7 +46,7 @@ def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
     m, k = x2.shape
     mb, kb = scale.shape
     blocks = nx.pad_to(x2, (mb * rows, kb * cols)).reshape(mb, rows, kb, cols)
-    s = scale[:, None, :, None]
+    s = nx.per_block(scale)[:, None, :, None]
     out = blocks.float() * s if fp8_dtype is None else nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype)
     return out.reshape(mb * rows, kb * cols)[:m, :k]
 
@@ -147,11 +147,13 @@ class Float8BlockQuantizer(Quantizer):
         out = {}
         if self.block_scaling_dim == 2:  # the columnwise copy is the exact transpose, same tile grid
             scale = self._scale(_blocks_amax(xc, BLOCK, BLOCK), xc.dtype)
-            q, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
+            scale_inv = nx.reciprocal(scale)
             if self.rowwise:
-                out["_rowwise_data"], out["_rowwise_scale_inv"] = q, scale_inv
-            if self.columnwise:
-                out["_columnwise_data"], out["_columnwise_scale_inv"] = q.t(), scale_inv
+                out["_rowwise_data"] = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype)
+                out["_rowwise_scale_inv"] = scale_inv
+            if self.columnwise:  # cast from the transposed input: elementwise, so the same bytes, in one pass
+                out["_columnwise_data"] = _scaled(xc.t(), scale.t(), BLOCK, BLOCK, self.fp8_dtype)
+                out["_columnwise_scale_inv"] = scale_inv
             return out
         if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
             scale = self._scale(_blocks_amax(xc, 1, BLOCK), xc.dtype)

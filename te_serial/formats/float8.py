@@ -103,12 +103,11 @@ class _PerTensorFP8:
         return scale, {"_scale_inv": nx.reciprocal(scale).reshape(1)}
 
     def _quantize_rows(self, xc, scale):
-        q = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
         out = {}
         if self.rowwise:
-            out["_data"] = q
-        if self.columnwise:
-            out["_transpose"] = q.t()
+            out["_data"] = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
+        if self.columnwise:  # cast from the transposed input: one fused pass, no second pass over codes
+            out["_transpose"] = nx.scale_and_cast_to_fp8(xc.t(), scale, self.fp8_dtype)
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:

@@ -128,13 +128,15 @@ class MXFP8Quantizer(Quantizer):
         if self.rowwise:
             e = self._block_exponents(xc, ROWWISE)
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK),
-                                         nx.e8m0_quant_scale(e)[..., None], self.fp8_dtype)
-            out["_rowwise_data"], out["_rowwise_scale_inv"] = q.reshape(rows, k), e
+                                         nx.per_block(nx.e8m0_quant_scale(e))[..., None], self.fp8_dtype)
+            # flatten, not reshape(rows, k): a dynamic-shape graph cannot prove K == K // 32 * 32,
+            # and would copy the data once more to get there
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = q.flatten(1), e
         if self.columnwise:
             e = self._block_exponents(xc, COLUMNWISE)
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
-                                         nx.e8m0_quant_scale(e)[:, None, :], self.fp8_dtype)
-            out["_columnwise_data"], out["_columnwise_scale_inv"] = q.reshape(rows, k), e
+                                         nx.per_block(nx.e8m0_quant_scale(e))[:, None, :], self.fp8_dtype)
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = q.flatten(0, 1), e
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:

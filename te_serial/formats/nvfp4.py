@@ -256,10 +256,10 @@ class NVFP4Quantizer(Quantizer):
         inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
         # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
         s_b = nx.scale_and_cast_to_fp8(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX),
-                                       None, torch.float8_e4m3fn)
+                                       None, torch.float8_e4m3fn).view(torch.uint8)  # bytes, also compiled
         s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
         enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
-        codes = nx.cast_to_fp4_codes(blocks.float() * enc[..., None]).reshape(r, c)
+        codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc)[..., None]).reshape(r, c)
         return nx.pack_fp4(codes), s_b
 
     def _kernel_args(self, device):
@@ -289,7 +289,7 @@ class NVFP4Quantizer(Quantizer):
         fp8_max = nx.fp8_max(torch.float8_e4m3fn)
         out = []
         for b in (base * torch.tensor(1.5, **f32), base):  # map-to-4, map-to-6
-            s_b = nx.scale_and_cast_to_fp8(torch.clamp(b, max=fp8_max), None, torch.float8_e4m3fn)
+            s_b = nx.scale_and_cast_to_fp8(torch.clamp(b, max=fp8_max), None, torch.float8_e4m3fn).view(torch.uint8)
             sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
             codes = nx.cast_to_fp4_codes(x * enc[..., None])
