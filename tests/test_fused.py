@@ -130,8 +130,9 @@ def test_nan_inputs_run_eager_and_infinities_compile():
 
 
 def test_threads_quantize_at_once():
-    """Compiled calls from several threads (convert's pipeline, a user's pool): dynamo's process-wide
-    config patch is held by one call at a time, and every result has the eager bytes."""
+    """Quantizing from worker threads (a user's pool) while graphs of other formats exist: worker
+    threads run eager (compiled graphs called there gave wrong bytes), compile nothing, and every
+    result has the eager bytes."""
     import concurrent.futures
     q = ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, amax_epsilon=1e-7)  # no other test
     xs = [make_input("random", (256 + 128 * (i % 3), 512), torch.bfloat16, seed=40 + i) for i in range(8)]
@@ -139,8 +140,12 @@ def test_threads_quantize_at_once():
     def work(x):
         with compiled_only():
             return q.quantize(x)
+    with compiled_only():  # another format's graph exists (the case that went wrong)
+        ts.Float8CurrentScalingQuantizer(torch.float8_e5m2, amax_epsilon=3e-6).quantize(xs[0])
+    before = fused.compile_count()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(work, xs))
+    assert fused.compile_count() == before
     for x, t in zip(xs, got):
         assert_same_buffers(t.buffers(), q.quantize(x, eager=True).buffers(), "threaded")
 

@@ -21,6 +21,9 @@ pure functions its eager path runs (``_prepare`` + ``_quantize_rows`` over the w
   sees a NaN, so its kernels need no NaN masks or canonicalizing selects, which would stop
   inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
+* **main thread only**: called from other threads, the compiled graphs of this module returned
+  wrong data buffers (reproduced with a second format's graph already compiled; root cause not
+  found), so worker threads run the eager code, whose bytes are right everywhere.
 * **fallback**: where compiling fails (no C++ compiler, a dtype the backend lacks) the eager path
   runs and one warning per (function, format, device, dtype) says why; that key stays eager.
 
@@ -99,6 +102,8 @@ def wants_fused(numel: int, device: torch.device, fusable: bool, eager: bool | N
     (``fusable``: the quantizer's kernels compile exactly)."""
     if torch.compiler.is_compiling() or not fusable or device.type not in ("cpu", "cuda"):
         return False  # inside a caller's graph the eager code is traced into it
+    if threading.current_thread() is not threading.main_thread():
+        return False  # compiled graphs called from worker threads gave wrong bytes once another graph existed
     mode = current_policy(eager)
     return mode == "fused" or (mode == "auto" and numel >= MIN_NUMEL)
 

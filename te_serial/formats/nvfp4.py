@@ -68,6 +68,10 @@ def global_encode_scale(amax: torch.Tensor, e4m3_max: float = E4M3_MAX) -> torch
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
+def _e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 block-scale bytes of fp32 ``v`` (a compiled cast returns them FP8-typed: viewed here)."""
+    return nx.scale_and_cast_to_fp8(v, None, torch.float8_e4m3fn).view(torch.uint8)
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
     """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling.
@@ -255,8 +259,7 @@ class NVFP4Quantizer(Quantizer):
         s_dec = nx.reciprocal(s_enc)
         inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
         # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
-        s_b = nx.scale_and_cast_to_fp8(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX),
-                                       None, torch.float8_e4m3fn).view(torch.uint8)  # bytes, also compiled
+        s_b = _e4m3_bytes(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX))
         s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
         enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
         codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc)[..., None]).reshape(r, c)
@@ -289,7 +292,7 @@ class NVFP4Quantizer(Quantizer):
         fp8_max = nx.fp8_max(torch.float8_e4m3fn)
         out = []
         for b in (base * torch.tensor(1.5, **f32), base):  # map-to-4, map-to-6
-            s_b = nx.scale_and_cast_to_fp8(torch.clamp(b, max=fp8_max), None, torch.float8_e4m3fn).view(torch.uint8)
+            s_b = _e4m3_bytes(torch.clamp(b, max=fp8_max))
             sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
             codes = nx.cast_to_fp4_codes(x * enc[..., None])
