@@ -191,6 +191,8 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     big = torch.clamp(rounded - 252, max=7)                          # 1.0 → code 2, 6.0 → 7
     small = torch.round(a * 2.0).to(torch.int32)                     # 0, 0.5, 1.0 → codes 0, 1, 2
     mag = torch.where(a >= 1.0, big, small)
+    if torch.compiler.is_compiling():  # compiled graphs see NaN-free inputs only (``formats.fused``)
+        return (mag | ((x.view(torch.int32) < 0).to(torch.int32) << 3)).to(torch.uint8)
     nan = isnan(x)
     mag = mag.masked_fill_(nan, 7).to(torch.uint8)
     sign = ((x.view(torch.int32) < 0) & ~nan).to(torch.uint8) << 3  # the sign bit
@@ -198,20 +200,36 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit E2M1 codes → fp32 values."""
-    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -mag, mag)
+    """4-bit E2M1 codes → fp32 values (FP4_E2M1_VALUES, bit 3 the sign; code 8 is -0.0).
 
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes along the last dim, two per byte: element 2i in the low nibble.
-
-    Each pair is read as one little-endian int16 (element 2i its low byte): contiguous loads,
-    which compiled kernels vectorize (two strided byte loads would not be).
+    Compiled, built as fp32 bits: magnitude index m ≥ 2 is 2^((m >> 1) - 1) · (1 + (m & 1) / 2),
+    i.e. biased exponent (m >> 1) + 126 and the top mantissa bit m & 1; m = 1 is 0.5; m = 0 is 0.
+    Inductor vectorizes that, and a table lookup is a gather (2.5x slower). Eager, the lookup is
+    one pass where the bit arithmetic is eight (1.7x faster). Both give the same bits.
     """
-    w = codes.contiguous().view(torch.int16)
-    return ((w & 0x0F) | ((w >> 4) & 0xF0)).to(torch.uint8)
+    if not torch.compiler.is_compiling():
+        table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+        mag = table[(codes & 0x7).long()]
+        return torch.where((codes & 0x8) != 0, -mag, mag)
+    c = codes.to(torch.int32)
+    m = c & 0x7
+    normal = (((m >> 1) + 126) << 23) | ((m & 1) << 22)
+    half = (m == 1).to(torch.int32) * (126 << 23)
+    return (torch.where(m >= 2, normal, half) | ((c & 0x8) << 28)).view(torch.float32)
+
+
+def pack_fp4(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Pack codes along ``dim``, two per byte: element 2i in the low nibble.
+
+    Along the last dim each pair is read as one little-endian int16 (element 2i its low byte):
+    contiguous loads, which compiled kernels vectorize (two strided byte loads would not be).
+    Along another dim the pair's two codes sit in two rows, each loaded contiguously.
+    """
+    if dim in (-1, codes.dim() - 1):
+        w = codes.contiguous().view(torch.int16)
+        return ((w & 0x0F) | ((w >> 4) & 0xF0)).to(torch.uint8)
+    pairs = codes.unflatten(dim, (-1, 2))
+    return pairs.select(dim + 1, 0) | (pairs.select(dim + 1, 1) << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

@@ -219,3 +219,27 @@ def test_full_stats_by_row_windows_equal_the_whole_tensor_comparison(monkeypatch
         # the sums are fp32 dot products per chunk: other chunk bounds, other last bits
         assert windows.rel_rmse == pytest.approx(whole.rel_rmse, rel=1e-5)
         assert windows.snr_db == pytest.approx(whole.snr_db, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_compare_exactness_is_on_the_bits(chunk):
+    """compare settles exactness on the bits: a finite difference anywhere is lossy at once;
+    where every difference is 0 or non-finite, -0.0 against 0.0 is not exact, NaN against NaN at the
+    same places is, and a NaN or infinity against a number makes the max error infinite."""
+    from te_serial.conversion import transforms as tr
+    x = torch.tensor([1.0, -2.0, 0.0, float("inf"), float("nan"), 3.5, -0.0, 7.0])
+    assert tr.compare(x, x.clone(), chunk).exact
+    for i, v in [(2, -0.0), (6, 0.0)]:  # d == 0 everywhere, the bits differ
+        y = x.clone()
+        y[i] = v
+        got = tr.compare(x, y, chunk)
+        assert not got.exact and got.max_abs_err == 0.0
+    y = x.clone()
+    y[7] = 7.000001
+    got = tr.compare(x, y, chunk)
+    assert not got.exact and got.max_abs_err == pytest.approx(1e-6, rel=0.1)
+    for i, v in [(4, 1.0), (0, float("nan")), (3, float("-inf")), (5, float("inf"))]:
+        y = x.clone()
+        y[i] = v
+        got = tr.compare(x, y, chunk)
+        assert not got.exact and got.max_abs_err == math.inf, (i, v)

@@ -239,31 +239,37 @@ class NVFP4Quantizer(Quantizer):
                              out.grid_shape(shape, usage))
         return self.relayout(buffers, shape, out, usage, src, grid)
 
-    def _encode(self, x2: torch.Tensor, amax: torch.Tensor,
-                args: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize rows of x2 [R, C] in blocks of 16 along C with the tensor amax (row-scaled: one
-        per row, [R]): (packed data [R, C/2], scales [R, C/16]). ``args``: ``_kernel_args``."""
+    def _encode(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None = None,
+                along: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize x2 [R, C] in blocks of 16 along dim ``along`` with the tensor amax (row-scaled:
+        one per row, [R]). ``along=1`` (rowwise): (packed data [R, C/2], scales [R, C/16]);
+        ``along=0`` (columnwise, blocks down the columns): the same for x2ᵀ, (packed [C, R/2],
+        scales [C, R/16]), read in x2's own order and transposed once as codes (a compiled graph
+        then loads contiguously; a transposed read of the input ran scalar). ``args``: ``_kernel_args``."""
         r, c = x2.shape
-        blocks = x2.reshape(r, c // BLOCK, BLOCK)
+        bd = 2 if along == 1 else 1                   # the dim of a block's 16 elements
+        blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
         if self.with_2d_quantization:
             tile = nx.nan_ignoring_amax(x2.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK), dim=(1, 3))
-            block_amax = tile.repeat_interleave(BLOCK, dim=0)
+            block_amax = tile.repeat_interleave(BLOCK, dim=1 - along)
         else:
-            block_amax = nx.nan_ignoring_amax(blocks, dim=2)
-        amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row
+            block_amax = nx.nan_ignoring_amax(blocks, dim=bd)
+        amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row (rowwise only)
         s_enc = global_encode_scale(amax, self.nvfp4_e4m3_max)
         if self.nvfp4_use_4over6:
             codes, s_b = self._select_4over6(blocks.float(), block_amax, amax, s_enc,
-                                             args or self._kernel_args(x2.device))
-            return nx.pack_fp4(codes.reshape(r, c)), s_b
-        s_dec = nx.reciprocal(s_enc)
-        inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
-        # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
-        s_b = _e4m3_bytes(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX))
-        s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
-        enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
-        codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc)[..., None]).reshape(r, c)
-        return nx.pack_fp4(codes), s_b
+                                             args or self._kernel_args(x2.device), bd)
+        else:
+            s_dec = nx.reciprocal(s_enc)
+            inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
+            # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
+            s_b = _e4m3_bytes(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX))
+            s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
+            enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
+            codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc).unsqueeze(bd))
+        if along == 1:  # packed per block: a compiled graph has no K == 16 · (K // 16) to prove
+            return nx.pack_fp4(codes).reshape(r, c // 2), s_b
+        return nx.pack_fp4(codes.reshape(r, c), dim=0).t().contiguous(), s_b.t()
 
     def _kernel_args(self, device):
         # 4over6 divides by 6 and by 6 · e4m3_max: kernel inputs, so that a compiled graph keeps them
@@ -275,9 +281,11 @@ class NVFP4Quantizer(Quantizer):
                 "err_denom": torch.tensor(nx.FP4_MAX * self.nvfp4_e4m3_max, **f32)}
 
     def _select_4over6(self, x: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
-                       s_enc: torch.Tensor, args: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (codes [R, C/16, 16], scales
-        [R, C/16]) of the better of map-to-4 and map-to-6 for each block of x [R, C/16, 16].
+                       s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
+                       bd: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (codes shaped as x, scales
+        shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of x
+        ([R, C/16, 16], or [R/16, 16, C] with ``bd=1``: a block's 16 elements on dim ``bd``).
 
         Candidate scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))`` with
         ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error
@@ -295,22 +303,23 @@ class NVFP4Quantizer(Quantizer):
             s_b = _e4m3_bytes(torch.clamp(b, max=fp8_max))
             sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
-            codes = nx.cast_to_fp4_codes(x * enc[..., None])
-            d = nx.fp4_codes_to_float(codes) * sf[..., None] * amax[..., None] / denom - x
+            codes = nx.cast_to_fp4_codes(x * enc.unsqueeze(bd))
+            d = nx.fp4_codes_to_float(codes) * sf.unsqueeze(bd) * amax.unsqueeze(bd) / denom - x
             e = d.abs() if self.nvfp4_4over6_err_mode == "MAE" else d * d
-            err = e[..., 0]
+            err = e.select(bd, 0)
             for i in range(1, BLOCK):
-                err = err + e[..., i]
-            if self.with_2d_quantization:  # reduce_group_sum_16: shfl_down by 8, 4, 2, 1
-                t = err.reshape(-1, BLOCK, err.shape[1])
-                while t.shape[1] > 1:
-                    h = t.shape[1] // 2
-                    t = t[:, :h] + t[:, h:]
-                err = t.reshape(-1, err.shape[1]).repeat_interleave(BLOCK, dim=0)
+                err = err + e.select(bd, i)
+            if self.with_2d_quantization:  # reduce_group_sum_16 over a tile's 16 blocks: shfl_down by 8, 4, 2, 1
+                gd = 3 - bd                # blocks of one tile: 16 consecutive rows (bd=2) or columns (bd=1)
+                t = err.unflatten(gd - 1, (-1, BLOCK))
+                while t.shape[gd] > 1:
+                    h = t.shape[gd] // 2
+                    t = t.narrow(gd, 0, h) + t.narrow(gd, h, h)
+                err = t.flatten(gd - 1, gd).repeat_interleave(BLOCK, dim=gd - 1)
             out.append((codes, s_b, err))
         (c4, s4, e4), (c6, s6, e6) = out
         pick4 = e4 < e6
-        return torch.where(pick4[..., None], c4, c6), torch.where(pick4, s4, s6)
+        return torch.where(pick4.unsqueeze(bd), c4, c6), torch.where(pick4, s4, s6)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.
@@ -365,10 +374,10 @@ class NVFP4Quantizer(Quantizer):
         if self.rowwise:
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
         if self.columnwise:
-            xt = xc.t().contiguous()
-            if self.with_rht:
-                xt = self._rht(xt)
-            data, s_b = self._encode(xt, amax_col, args)
+            if self.with_rht:  # the transform mixes 16 elements of a column: on the transposed copy
+                data, s_b = self._encode(self._rht(xc.t().contiguous()), amax_col, args)
+            else:
+                data, s_b = self._encode(xc, amax_col, args, along=0)
             out["_columnwise_data"], out["_columnwise_scale_inv"] = data, s_b.t()  # grid [R / 16, K]
         return out
 
