@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import warnings
 
 import pytest
@@ -161,6 +162,32 @@ def test_threads_quantize_at_once():
     assert fused.compile_count() == before
     for x, t in zip(xs, got):
         assert_same_buffers(t.buffers(), q.quantize(x, eager=True).buffers(), "threaded")
+
+
+def test_main_thread_compiles_right_while_workers_run_torch():
+    """convert computes on the main thread while its reader and writer threads run torch work: the
+    compiled graphs' bytes stay right with another thread quantizing eagerly and reducing at once
+    (the wrong bytes seen came from graphs called on worker threads, which now run eager)."""
+    q = ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, amax_epsilon=2e-7)  # no other test
+    xs = [make_input("random", (256 + 128 * (i % 3), 512), torch.bfloat16, seed=60 + i) for i in range(6)]
+    want = [q.quantize(x, eager=True) for x in xs]
+    stop = threading.Event()
+
+    def noise():
+        y = torch.randn(1024, 1024)
+        while not stop.is_set():
+            q.quantize(xs[0], eager=True)
+            torch.aminmax(y)
+    worker = threading.Thread(target=noise)
+    worker.start()
+    try:
+        with compiled_only():
+            for _ in range(5):
+                for i, (x, w) in enumerate(zip(xs, want)):
+                    assert_same_buffers(q.quantize(x).buffers(), w.buffers(), f"tensor {i}, main thread")
+    finally:
+        stop.set()
+        worker.join()
 
 
 def test_eager_switches_compile_nothing(monkeypatch):

@@ -25,9 +25,12 @@ pure functions its eager path runs (``_prepare`` + ``_quantize_rows`` over the w
   sees a NaN, so its kernels need no NaN masks or canonicalizing selects, which would stop
   inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
-* **main thread only**: called from other threads, the compiled graphs of this module returned
-  wrong data buffers (reproduced with a second format's graph already compiled; root cause not
-  found), so worker threads run the eager code, whose bytes are right everywhere.
+* **main thread only**: called from worker threads, the compiled graphs of this module returned
+  wrong data buffers now and then (scales right), with a second format's graph already compiled.
+  It needs concurrency: the same calls never went wrong with each worker's whole quantize
+  serialized, and graphs called on the main thread stayed right while workers ran eager quantize
+  and reductions at once (convert's reader and writer threads do that). Root cause not found.
+  Worker threads therefore run the eager code, whose bytes are right everywhere.
 * **fallback**: where compiling fails (no C++ compiler, a dtype the backend lacks) the eager path
   runs and one warning per (function, format, device, dtype) says why; that key stays eager.
 
