@@ -225,7 +225,8 @@ def pack_fp4(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
     contiguous loads, which compiled kernels vectorize (two strided byte loads would not be).
     Along another dim the pair's two codes sit in two rows, each loaded contiguously.
     """
-    if dim in (-1, codes.dim() - 1):
+    dim %= codes.dim()
+    if dim == codes.dim() - 1:
         w = codes.contiguous().view(torch.int16)
         return ((w & 0x0F) | ((w >> 4) & 0xF0)).to(torch.uint8)
     pairs = codes.unflatten(dim, (-1, 2))

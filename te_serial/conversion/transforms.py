@@ -180,15 +180,14 @@ class _Comparison:
             d = y - x
             lo, hi = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
             m = max(-float(lo), float(hi))  # max |d| in one pass (NaN propagates)
-            # a finite nonzero difference settles it; otherwise (all equal, or a non-finite value
-            # somewhere) compare the bits: -0.0 vs 0.0 and NaN payloads differ with d == 0 or NaN
-            if self.exact and not (m > 0 and math.isfinite(m)):
-                if not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+            if self.exact:
+                if m > 0 and math.isfinite(m):  # a finite nonzero difference settles it
+                    self.exact = False
+                elif not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                    # all differences 0 or non-finite: -0.0 vs 0.0 and NaN payloads decide on the bits
                     nx_, ny_ = torch.isnan(x), torch.isnan(y)
                     self.exact = torch.equal(nx_, ny_) and torch.equal(
                         torch.where(nx_, 0, x.view(torch.int32)), torch.where(ny_, 0, y.view(torch.int32)))
-            elif self.exact:
-                self.exact = False
             if not math.isfinite(m):  # a non-finite value on either side: compare the finite ones
                 fx, fy = torch.isfinite(x), torch.isfinite(y)
                 both = fx & fy

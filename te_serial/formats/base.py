@@ -549,6 +549,7 @@ class Quantizer:
         x2 = x.reshape(m, k)
         args = self._kernel_args(x.device)
         if fused.wants_fused(x.numel(), x.device, self.fusable()) and not fused.may_hold_nan(x2):
+            # detach: no view of x, whose strides would be guarded
             got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
                             self, _blocked(x2.detach(), self.slice_alignment()), args)
             if got is not None:  # FP8 data comes back typed (fast stores): the same bytes, viewed
@@ -653,8 +654,7 @@ def _blocked(x2: torch.Tensor, align: tuple[int, int]) -> torch.Tensor:
     """[M, K] as the view [M / a, a, K / b, b] when (a, b) divide it, else as it is. A compiled
     graph then sees M = a·s0 and K = b·s1: block counts are exact symbols, so its kernels index
     blocks without modulo arithmetic and vectorize (with M and K alone, inductor cannot prove
-    K == 16·(K // 16), and NVFP4's cast ran scalar, 20× slower). ``detach``: no view of the
-    caller's tensor, whose strides would be guarded."""
+    K == 16·(K // 16), and NVFP4's cast ran scalar, 20× slower)."""
     (m, k), (a, b) = x2.shape, align
     if m % a or k % b or a * b == 1:
         return x2
@@ -676,6 +676,7 @@ def _dequantize_whole(q: Quantizer, buffers: dict[str, torch.Tensor], shape: tup
                       dtype: torch.dtype) -> torch.Tensor:
     """What ``fused`` compiles for dequantize: the format's ``_dequantize`` and the cast to ``dtype``.
     Data given as :func:`_blocked` gives it sets the shape ``None`` stands for (block counts as symbols)."""
+    buffers = dict(buffers)
     for u in USAGES:
         lay = q.usage_layout(u)
         d = buffers.get(lay.data)
