@@ -102,6 +102,30 @@ def test_fp4_decode_compiled_bits_equal_the_table():
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+def test_fp4_cast_is_nearest_even_compiled_and_eager():
+    """E2M1 codes, eager and compiled, are the nearest FP4 value by brute force (ties to the even
+    index, saturating at 6, NaN → +6 eagerly), on random fp32 bit patterns, every midpoint and its
+    neighbours, ±0 and ±inf."""
+    from te_serial import numerics as nx
+    g = torch.Generator().manual_seed(3)
+    mids = torch.tensor([t for t, _ in nx.E2M1_STEPS])
+    near = torch.cat([mids, torch.nextafter(mids, torch.zeros(7)), torch.nextafter(mids, torch.full((7,), 9.0))])
+    x = torch.cat([torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+                   .view(torch.float32), near, -near, torch.linspace(-7, 7, 9999),
+                   torch.tensor([0.0, -0.0, 6.0, -6.0, float("inf"), -float("inf")])])
+    x = x[~torch.isnan(x)]
+    table = torch.tensor(nx.FP4_E2M1_VALUES)
+    d = (x.abs().clamp(max=6.0)[:, None] - table).abs()
+    tied = d == d.min(dim=1, keepdim=True).values
+    even = torch.where(tied & (torch.arange(8) % 2 == 0), torch.arange(8), -1).max(dim=1).values
+    index = torch.where(tied.sum(dim=1) > 1, even, tied.int().argmax(dim=1))
+    want = index.to(torch.uint8) | ((x.view(torch.int32) < 0).to(torch.uint8) << 3)
+    compiled = torch.compile(nx.cast_to_fp4_codes, backend="inductor", fullgraph=True)
+    assert torch.equal(nx.cast_to_fp4_codes(x), want)
+    assert torch.equal(compiled(x), want)
+    assert nx.cast_to_fp4_codes(torch.tensor([float("nan"), -float("nan")])).tolist() == [7, 7]
+
+
 def test_compiles_once_per_shape_class_not_per_tensor():
     """30 tensors of 6 shapes (one square, M and K swapped, one 3-D) through one fresh configuration:
     one quantize graph and one dequantize graph."""
