@@ -193,13 +193,13 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.float()
     a = x.abs()
-    steps = [(a > t) if tie_below else (a >= t) for t, tie_below in E2M1_STEPS]
+    passed = ((a > t) if tie_below else (a >= t) for t, tie_below in E2M1_STEPS)  # one mask at a time
     if torch.compiler.is_compiling():  # int32 lanes vectorize (uint8 ones do not); no NaN here (``formats.fused``)
-        mag = sum(s.to(torch.int32) for s in steps)
+        mag = sum(p.to(torch.int32) for p in passed)
         return (mag | ((x.view(torch.int32) < 0).to(torch.int32) << 3)).to(torch.uint8)
     mag = torch.zeros_like(a, dtype=torch.uint8)
-    for s in steps:
-        mag += s
+    for p in passed:
+        mag += p
     nan = isnan(x)
     mag = mag.masked_fill_(nan, 7)
     sign = ((x.view(torch.int32) < 0) & ~nan).to(torch.uint8) << 3  # the sign bit
