@@ -179,6 +179,50 @@ def test_cpu_load_is_zero_copy_mmap(tmp_path):
     assert any(int(l.split()[0].split("-")[0], 16) <= ptr < int(l.split()[0].split("-")[1], 16) for l in mapped)
 
 
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    return [tuple(int(a, 16) for a in line.split()[0].split("-"))
+            for line in open("/proc/self/maps").read().splitlines() if str(path) in line]
+
+
+def test_stream_maps_each_buffer_alone_and_checks_once_asked(tmp_path):
+    """Checkpoint.stream (convert's byte relayouts): the same tensor as get, each buffer a mapping of
+    its own pages that goes away with the tensor, and a checksum check that runs when called."""
+    sd = {"w": ts.NVFP4Quantizer()(make_input("outliers", (256, 128), torch.bfloat16, 0)),
+          "b": torch.randn(1000), "s": torch.tensor(3.0)}
+    path = tmp_path / "s.safetensors"
+    ts.save_quantized(sd, path)
+    with ts.Checkpoint(path) as ck:
+        for name in sd:
+            t, check = ck.stream(name)
+            assert_same_tensor(t, ck.get(name, mmap=False), name)
+            check()
+            assert ck.stream(name, verify=False)[1] is None
+        t, _ = ck.stream("w")
+        ptr = t._rowwise_data.data_ptr()
+        assert [r for r in _mapped_ranges(path) if r[0] <= ptr < r[1]]
+        before = len(_mapped_ranges(path))
+        del t, _
+        assert len(_mapped_ranges(path)) < before  # the buffers' own mappings are gone with the tensor
+    entry = ts.Checkpoint(path).manifest.locations("w")[0]  # the rowwise codes' key
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:header])[entry[2]]["data_offsets"]
+    data[header + offsets[0]] ^= 0x10
+    path.write_bytes(bytes(data))
+    with ts.Checkpoint(path) as ck:
+        t, check = ck.stream("w")  # nothing is checked yet
+        with pytest.raises(tse.ChecksumError, match="does not match its checksum") as e:
+            check()
+        assert e.value.tensor == "w"
+    nocheck = tmp_path / "n.safetensors"
+    ts.save_quantized({"a": torch.ones(3)}, nocheck, checksums=False)
+    with ts.Checkpoint(nocheck) as ck:
+        t, check = ck.stream("a")
+        assert torch.equal(t, torch.ones(3))
+        with pytest.raises(tse.ChecksumError, match="without checksums"):
+            check()
+
+
 def test_resave_replaces_old_shards_and_keeps_directory_clean(tmp_path):
     path = tmp_path / "ck"
     ts.save_quantized({"a": torch.randn(1000)}, path, max_shard_size=1000)

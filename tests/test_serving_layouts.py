@@ -393,3 +393,24 @@ def test_layout_to_layout_and_overwrite_leave_no_stale_config(tmp_path):
     tc.convert(tmp_path / "te", tmp_path / "mo", recipe="compressed_tensors_nvfp4", overwrite=True)
     assert not (tmp_path / "mo" / "hf_quant_config.json").exists()
     assert tc.detect_layout(tmp_path / "mo") == "compressed_tensors_nvfp4"
+
+
+def test_a_corrupt_source_fails_the_streamed_export_before_its_commit(tmp_path):
+    """A byte relayout writes straight from the source's pages and checks their checksums once
+    written: a flipped code byte fails the export, and the previous export stays as it was."""
+    _te_checkpoint(tmp_path / "te", "nvfp4", columnwise=False)
+    tc.convert(tmp_path / "te", tmp_path / "mo", recipe="modelopt_nvfp4")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mo").iterdir()}
+    ckpt = ts.Checkpoint(tmp_path / "te")
+    _, file, key, *_ = ckpt.manifest.locations(NAMES[1])[0]  # the second weight's rowwise codes
+    ckpt.close()
+    shard = tmp_path / "te" / file
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    start, _ = json.loads(data[8:header])[key]["data_offsets"]
+    data[header + start + 5] ^= 0x22
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ts.errors.ChecksumError, match="does not match its checksum") as e:
+        tc.convert(tmp_path / "te", tmp_path / "mo", recipe="modelopt_nvfp4", overwrite=True)
+    assert e.value.tensor == NAMES[1]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mo").iterdir()} == before

@@ -8,8 +8,9 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
   used, duplicate JSON keys are refused, entries must tile the data section exactly, and the work
   is bounded by the header's size.
 * :class:`SafetensorsFile` opens a file without following a symlink (unless asked), keeps one
-  descriptor, and reads a buffer either as a view of a private mmap (CPU loads: no copy) or into
-  fresh memory (streaming conversion: the process does not grow with the file).
+  descriptor, and reads a buffer as a view of the file's private mmap (CPU loads: no copy), as a
+  mapping of the buffer's own pages (streaming byte relayouts: no copy, unmapped once freed), or
+  into fresh memory (streaming conversion: the process does not grow with the file).
 * :class:`ShardSet` plans the files of a checkpoint from the (key, shape, dtype) of every buffer,
   before any data exists, then streams each buffer to its offset. Shards follow Hugging Face's
   rule: a shard holds buffers in order until the next one would take it over the limit, and goes
@@ -23,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 import re
 import secrets
@@ -258,14 +260,28 @@ class SafetensorsFile:
             raise CheckpointFileError("tensor is not in the file", file=str(self.path), field=key)
         return e
 
-    def mapped(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def mapped(self, key: str, dtype: torch.dtype | None = None, *, own: bool = False) -> torch.Tensor:
         """The buffer as a view of the file's private mmap (no copy; writes stay in memory), as
-        ``dtype`` (same item size) if given; a fresh copy where the offset is not aligned."""
+        ``dtype`` (same item size) if given; a fresh copy where the offset is not aligned.
+
+        ``own``: a mapping of this buffer's pages alone, unmapped when the last view is freed (a
+        streaming reader's memory stays bounded by what it holds); else the whole file's mapping,
+        kept while the file is open."""
         e = self._entry(key)
         dtype = dtype or e.dtype
         start = self.header.data_start + e.start
         if start % dtype.itemsize or e.nbytes == 0:
             return self.read(key).view(dtype)
+        if own:
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            try:
+                pages = mmap.mmap(self._fd, start + e.nbytes - base, flags=mmap.MAP_PRIVATE,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+            except (OSError, ValueError) as err:
+                raise CheckpointFileError(f"cannot map the file: {err}", file=str(self.path), field=key) from None
+            # the tensor holds the mapping (a buffer export) until it is freed
+            return torch.frombuffer(pages, dtype=torch.uint8, count=e.nbytes, offset=start - base) \
+                .view(dtype).reshape(e.shape)
         if self._storage is None:
             # the descriptor's own file, so a path swapped after the checks cannot be mapped instead
             proc = f"/proc/self/fd/{self._fd}"

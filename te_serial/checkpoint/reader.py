@@ -15,7 +15,7 @@ import gc
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -210,13 +210,17 @@ class Checkpoint:
         f = self._file(file)
         t = f.mapped(key) if mmap else f.read(key)
         if verify:
-            if expected is None:
-                raise ChecksumError("cannot verify: the checkpoint was saved without checksums",
-                                    file=str(f.path), tensor=tname, field=bname)
-            if checksum(t) != expected:
-                raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(expected)}",
-                                    file=str(f.path), tensor=tname, field=bname)
+            self._check(tname, bname, f, t, expected)
         return t
+
+    @staticmethod
+    def _check(tname: str, bname: str, f: SafetensorsFile, t: torch.Tensor, expected: int | None) -> None:
+        if expected is None:
+            raise ChecksumError("cannot verify: the checkpoint was saved without checksums",
+                                file=str(f.path), tensor=tname, field=bname)
+        if checksum(t) != expected:
+            raise ChecksumError(f"buffer {bname} does not match its checksum {format_checksum(expected)}",
+                                file=str(f.path), tensor=tname, field=bname)
 
     def _assembly(self, proto: TensorProto) -> tuple[Any, dict[str, torch.dtype]]:
         """(unflatten context, in-memory dtype per buffer) of a prototype, worked out once."""
@@ -240,23 +244,53 @@ class Checkpoint:
                 raw = self._assemble(name, verify, mmap)
             else:
                 raw = {b: self._read_buffer(name, b, f, k, c, verify, mmap) for b, f, k, _, _, c in where}
-            if proto.quantizer is not None:
-                meta, dtypes = self._assembly(proto)
-                raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
             if copier is not None:  # allocate from the prototype on the target device, copy in
+                dtypes = self._assembly(proto)[1] if proto.quantizer is not None else {}
                 dst = (proto.quantizer.alloc_tensors(proto.shape, device=device) if proto.quantizer is not None
                        else {PLAIN_BUFFER: torch.empty(proto.shape, dtype=proto.dtype, device=device)})
                 for n, t in raw.items():
-                    copier.copy(dst[n], t)
+                    copier.copy(dst[n], t.view(dtypes[n]) if dtypes else t)
                 raw = dst
-            if proto.quantizer is None:
-                out = raw[PLAIN_BUFFER]
-                if proto.requires_grad:
-                    out.requires_grad_(True)
-            else:  # TensorProto's unflatten context + the storage class's __tensor_unflatten__
-                out = QuantizedTensorStorage.__tensor_unflatten__(raw, meta, proto.shape, None)
+            out = self._build(proto, raw)
         cache[ident] = out
         return out
+
+    def _build(self, proto: TensorProto, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor of ``proto`` from its buffers: TensorProto's unflatten context + the storage
+        class's ``__tensor_unflatten__`` (a plain tensor is its one buffer)."""
+        if proto.quantizer is None:
+            out = raw[PLAIN_BUFFER]
+            if proto.requires_grad:
+                out.requires_grad_(True)
+            return out
+        meta, dtypes = self._assembly(proto)
+        raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
+        return QuantizedTensorStorage.__tensor_unflatten__(raw, meta, proto.shape, None)
+
+    def stream(self, name: str, *, verify: bool = True) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """One tensor for a streaming copy (``convert``'s byte relayouts), and the check of its stored
+        checksums to run once its bytes are written (None when ``verify`` is off or it ran already).
+
+        Each buffer is a mapping of its own pages, unmapped when the tensor is freed, so memory stays
+        bounded by the tensors in flight; written before anything reads them, the bytes go from the
+        page cache to the output in one kernel copy. A failed check still comes before the caller
+        commits its output. Chunked (sharded-save) tensors are read into fresh memory and checked now.
+        """
+        proto = self._protos.get(name)
+        if proto is None:
+            raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
+        if self.manifest.chunks and self.manifest.is_chunked(name):
+            return self.get(name, verify=verify, mmap=False), None
+        where = self.manifest.locations(name)
+        raw = {b: self._file(f).mapped(k, own=True) for b, f, k, _, _, _ in where}
+        out = self._build(proto, dict(raw))
+        if not verify:
+            return out, None
+
+        def check() -> None:
+            for b, f, k, _, _, c in where:
+                self._check(name, b, self._file(f), raw[b], c)
+        return out, check
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,
             mmap: bool = True, rows=None, cols=None, member: int | None = None) -> torch.Tensor:

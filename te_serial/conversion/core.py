@@ -564,22 +564,28 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
         if progress is not None:
             progress(0, total, "")
 
-        def read(plan: TensorPlan) -> torch.Tensor:
-            src = _guarded(source, plan, lambda: source.load(plan.name))
-            return to_device(src, dev) if _computes(plan.step) else src
+        def read(plan: TensorPlan) -> tuple[torch.Tensor, Callable[[], None] | None]:
+            if _computes(plan.step):
+                return to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None
+            # a byte relayout: the source's pages go to the output as they are, checked once written
+            return _guarded(source, plan, lambda: source.stream(plan.name))
 
-        def compute(plan: TensorPlan, src: torch.Tensor) -> torch.Tensor:
+        def compute(plan: TensorPlan, item) -> tuple[torch.Tensor, Callable[[], None] | None]:
             nonlocal done
+            src, check = item
             result, reports[plan.name], _ = _guarded(
                 source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
             if plan.src.alias_of is None:
                 done += plan.src.nbytes
             if progress is not None:
                 progress(done, total, plan.name)
-            return result
+            return result, check
 
-        def write(plan: TensorPlan, result: torch.Tensor) -> None:
+        def write(plan: TensorPlan, item) -> None:
+            result, check = item
             _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
+            if check is not None:  # before anything is committed
+                _guarded(source, plan, check)
 
         try:
             run_pipeline([p for p in plans if p.alias_of is None], read, compute, write)

@@ -36,7 +36,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -145,6 +145,11 @@ class Source:
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The tensor for a byte relayout, and the check to run once its bytes are written (None:
+        it was checked as it was read)."""
+        return self.load(name), None
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -160,7 +165,8 @@ class Source:
 
 class TeSerialSource(Source):
     """A te-serial checkpoint, read through the one reader (:class:`~te_serial.Checkpoint`): whatever
-    ``load_quantized`` refuses, conversion refuses too. Buffers are read into fresh memory."""
+    ``load_quantized`` refuses, conversion refuses too. Buffers are read into fresh memory, or for a
+    byte relayout streamed from the file's pages and checked once written."""
 
     layout = "te-serial"
 
@@ -197,6 +203,9 @@ class TeSerialSource(Source):
 
     def load(self, name: str) -> torch.Tensor:
         return self.ckpt.get(name, verify=self.verify, mmap=False)
+
+    def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return self.ckpt.stream(name, verify=self.verify)
 
     def _activation_amax(self) -> dict[str, float]:
         """module → input amax: from TE delayed-scaling state (``<m>._extra_state``'s
@@ -603,6 +612,9 @@ class GroupedView(Source):
         if "grouped" not in keys:
             return self.inner.load(name)
         return build_grouped(keys["grouped"], keys["merged"], self._load_part)
+
+    def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return self.inner.stream(name) if "grouped" not in self.tensors[name].keys else (self.load(name), None)
 
     def close(self) -> None:
         self.inner.close()
