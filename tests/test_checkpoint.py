@@ -343,3 +343,51 @@ def test_streaming_writer_aborts_on_error_and_keeps_the_old_checkpoint(tmp_path)
             raise RuntimeError("boom")
     assert sorted(p.name for p in path.iterdir()) == before
     assert torch.equal(ts.load_quantized(path)["old"], torch.arange(4))
+
+
+def _odd_state():
+    """Buffers of odd sizes at odd offsets: every one has partial first and last blocks."""
+    g = torch.Generator().manual_seed(7)
+    sd = {f"w{i}": ts.MXFP8Quantizer()(torch.randn(64 * (i + 3), 96, generator=g)) for i in range(3)}
+    sd.update({"odd": torch.randint(0, 255, (12_345,), dtype=torch.uint8, generator=g),
+               "f32": torch.randn(3001, generator=g), "scalar": torch.tensor(1.5)})
+    return sd
+
+
+def test_direct_io_writes_whole_blocks_and_buffers_the_edges(tmp_path, monkeypatch):
+    """Large files write each buffer's whole blocks with O_DIRECT and its partial edge blocks through
+    the page cache: the file is byte for byte what a buffered save writes."""
+    from te_serial.checkpoint import files
+    sd = _odd_state()
+    monkeypatch.setenv(files.DIRECT_IO_ENV, "0")
+    ts.save_quantized(sd, tmp_path / "buffered.safetensors")
+    monkeypatch.delenv(files.DIRECT_IO_ENV)
+    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    calls = []
+    real = files._DirectBlocks.write
+    monkeypatch.setattr(files._DirectBlocks, "write", lambda self, v, o: calls.append(real(self, v, o)) or calls[-1])
+    try:
+        probe = files._DirectBlocks(tmp_path / "buffered.safetensors")
+        probe.close()
+        direct_here = True
+    except OSError:
+        direct_here = False  # a file system without O_DIRECT (tmpfs): the fallback is what runs
+    ts.save_quantized(sd, tmp_path / "direct.safetensors")
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+    assert bool(calls and sum(calls)) == direct_here  # whole blocks went direct where the file system allows
+    out = ts.load_quantized(tmp_path / "direct.safetensors", verify=True)
+    for k in sd:
+        assert_same_tensor(out[k], sd[k], k)
+
+
+def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    from te_serial.checkpoint import files
+    sd = _odd_state()
+    ts.save_quantized(sd, tmp_path / "ref.safetensors")
+    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+
+    def refuse(self, view, offset):
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(files._DirectBlocks, "write", refuse)
+    ts.save_quantized(sd, tmp_path / "fallback.safetensors")
+    assert (tmp_path / "fallback.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

@@ -9,8 +9,10 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
   is bounded by the header's size.
 * :class:`SafetensorsFile` opens a file without following a symlink (unless asked), keeps one
   descriptor, and reads a buffer as a view of the file's private mmap (CPU loads: no copy), as a
-  mapping of the buffer's own pages (streaming byte relayouts: no copy, unmapped once freed), or
-  into fresh memory (streaming conversion: the process does not grow with the file).
+  mapping of the buffer's own pages (streaming conversion: no copy, and unmapped once freed, so
+  the process does not grow with the file), or into fresh memory.
+* Large files are written a block at a time with ``O_DIRECT`` where the file system allows it
+  (:class:`_DirectBlocks`), the rest through the page cache.
 * :class:`ShardSet` plans the files of a checkpoint from the (key, shape, dtype) of every buffer,
   before any data exists, then streams each buffer to its offset. Shards follow Hugging Face's
   rule: a shard holds buffers in order until the next one would take it over the limit, and goes
@@ -21,6 +23,7 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -388,6 +391,54 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+#: files at least this large write the whole blocks of each buffer with ``O_DIRECT``
+DIRECT_MIN_BYTES = 64 << 20
+#: ``TE_SERIAL_DIRECT_IO=0`` writes every file through the page cache
+DIRECT_IO_ENV = "TE_SERIAL_DIRECT_IO"
+_BLOCK = 4096          # O_DIRECT alignment of offsets, lengths and memory (a multiple of any sector)
+_STAGE_BYTES = 8 << 20
+
+
+class _DirectBlocks:
+    """The whole blocks of a file, written with ``O_DIRECT`` from an aligned staging buffer.
+
+    A checkpoint is written once and rarely read back by the writer, so its bytes need not pass
+    through the page cache: on a VM measured here, buffered writes of computed data ran at about
+    0.2 GB/s once ~240 MB were dirty, direct ones at 0.8 GB/s. A buffer's partial first and last
+    blocks go through the page cache (:class:`_PlannedFile` writes them), so no block is ever written
+    both ways. Where the file system refuses ``O_DIRECT`` (tmpfs) or a write, everything is buffered.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        self.stage = mmap.mmap(-1, _STAGE_BYTES)  # page-aligned
+
+    def write(self, view: memoryview, offset: int) -> int:
+        """Write the whole blocks of ``view`` (at file ``offset``); returns how many bytes, from the
+        first block boundary on, were written (0: none, the caller writes the rest buffered)."""
+        start = -offset % _BLOCK
+        end = start + (len(view) - start) // _BLOCK * _BLOCK
+        pos = start
+        while pos < end:
+            n = min(_STAGE_BYTES, end - pos)
+            self.stage[:n] = view[pos:pos + n]
+            written = os.pwrite(self.fd, memoryview(self.stage)[:n], offset + pos)
+            if written != n:
+                raise OSError(errno.EIO, "short direct write")
+            pos += n
+        return end - start
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.stage.close()
+
+
+def _direct_io_wanted(size: int) -> bool:
+    return size >= DIRECT_MIN_BYTES and hasattr(os, "O_DIRECT") and os.environ.get(DIRECT_IO_ENV, "1") != "0"
+
+
 def header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
     """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
     header: dict = {}
@@ -425,6 +476,7 @@ class _PlannedFile:
         placeholder = {"": "A" * reserve} if reserve is not None else metadata
         self.header_len = len(header_bytes(self.entries, placeholder))
         self.fd = -1
+        self.direct: _DirectBlocks | None = None
         self.written: set[str] = set()
         self.done = False
 
@@ -436,11 +488,33 @@ class _PlannedFile:
         if self.fd < 0:
             self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             os.ftruncate(self.fd, self.size)
+            if _direct_io_wanted(self.size):
+                try:
+                    self.direct = _DirectBlocks(self.tmp)
+                except OSError:  # the file system has no O_DIRECT (tmpfs): the page cache it is
+                    self.direct = None
 
     def write(self, key: str, data: memoryview) -> None:
         self.open()
-        _pwrite_all(self.fd, data, 8 + self.header_len + self.offsets[key][2])
+        offset = 8 + self.header_len + self.offsets[key][2]
+        if self.direct is not None and len(data) >= 2 * _BLOCK:
+            try:
+                done = self.direct.write(data, offset)
+            except OSError:  # refused (alignment, file system): this file goes buffered from here
+                self._close_direct()
+            else:
+                head = -offset % _BLOCK
+                _pwrite_all(self.fd, data[:head], offset)
+                _pwrite_all(self.fd, data[head + done:], offset + head + done)
+                self.written.add(key)
+                return
+        _pwrite_all(self.fd, data, offset)
         self.written.add(key)
+
+    def _close_direct(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+            self.direct = None
 
     @property
     def complete(self) -> bool:
@@ -457,13 +531,14 @@ class _PlannedFile:
             raise CheckpointError(f"{len(missing)} planned buffers were never written, e.g. {sorted(missing)[0]!r}",
                                   file=str(self.final))
         self.open()
+        self._close_direct()  # every buffer is written
         header = header_bytes(self.entries, metadata if self.reserve is not None else self.metadata,
                               pad_to=self.header_len)
         if len(header) != self.header_len:  # the data-dependent header outgrew its room: rewrite
             self._rewrite(header)
         else:
             _pwrite_all(self.fd, memoryview(len(header).to_bytes(8, "little") + header), 0)
-        os.fsync(self.fd)
+        os.fsync(self.fd)  # the buffered edges and the metadata; a device cache flush for the blocks too
         os.close(self.fd)
         self.fd = -1
         self.done = True
@@ -490,6 +565,7 @@ class _PlannedFile:
         self.fd, self.header_len = fd, len(header)
 
     def abort(self) -> None:
+        self._close_direct()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -165,8 +165,8 @@ class Source:
 
 class TeSerialSource(Source):
     """A te-serial checkpoint, read through the one reader (:class:`~te_serial.Checkpoint`): whatever
-    ``load_quantized`` refuses, conversion refuses too. Buffers are read into fresh memory, or for a
-    byte relayout streamed from the file's pages and checked once written."""
+    ``load_quantized`` refuses, conversion refuses too. Each buffer is a mapping of its own pages,
+    unmapped once freed; a byte relayout checks its checksums once written, the rest as it is read."""
 
     layout = "te-serial"
 
@@ -202,7 +202,10 @@ class TeSerialSource(Source):
         self.activation_amax = self._activation_amax()
 
     def load(self, name: str) -> torch.Tensor:
-        return self.ckpt.get(name, verify=self.verify, mmap=False)
+        t, check = self.ckpt.stream(name, verify=self.verify)
+        if check is not None:
+            check()
+        return t
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.ckpt.stream(name, verify=self.verify)
@@ -422,7 +425,8 @@ class SafetensorsSource(Source):
 
     # -- loading -------------------------------------------------------------------------------
     def _read(self, key: str) -> torch.Tensor:
-        return self._files[self._where[key]].read(key)
+        """A buffer as a mapping of its own pages (no copy; unmapped once freed)."""
+        return self._files[self._where[key]].mapped(key, own=True)
 
     def load(self, name: str) -> torch.Tensor:
         st = self.tensors[name]
