@@ -300,6 +300,7 @@ def run(args) -> int:
             gen = time.perf_counter() - t0
             for mode, eager in runs:
                 dst = work / f"dst-{gib:g}g-{mode}"
+                os.sync()  # the source's and the previous run's writes are on disk, not in this run's way
                 r = _child(src, dst, args.recipe, mode, {"TE_SERIAL_EAGER": "1"} if eager else None)
                 r.update(info, gib=gib, gen_seconds=gen, stats=mode, eager=eager)
                 results.append(r)
