@@ -173,11 +173,18 @@ class _Comparison:
         self.exact, self.nonfinite_mismatch = True, False
         self.max_abs = self.err2 = self.sig2 = 0.0
 
-    def add(self, ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> None:
+    def add(self, ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> None:
         a, b = ref.reshape(-1), out.reshape(-1)  # any float dtypes: widened to fp32 chunk by chunk
+        # one set of cache-sized fp32 scratch buffers, reused: no fresh pages per chunk
+        n0 = min(chunk, a.numel())
+        xs = torch.empty(n0) if a.dtype != torch.float32 else None
+        ys = torch.empty(n0) if b.dtype != torch.float32 else None
+        ds = torch.empty(n0)
         for i in range(0, a.numel(), chunk):
-            x, y = a[i:i + chunk].to(torch.float32), b[i:i + chunk].to(torch.float32)
-            d = y - x
+            n = min(chunk, a.numel() - i)
+            x = a[i:i + n] if xs is None else xs[:n].copy_(a[i:i + n])
+            y = b[i:i + n] if ys is None else ys[:n].copy_(b[i:i + n])
+            d = torch.sub(y, x, out=ds[:n])
             lo, hi = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
             m = max(-float(lo), float(hi))  # max |d| in one pass (NaN propagates)
             if self.exact:
@@ -214,7 +221,7 @@ class _Comparison:
         return ErrorStats(False, math.inf if self.nonfinite_mismatch else self.max_abs, rel, snr)
 
 
-def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> ErrorStats:
+def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> ErrorStats:
     """Bit-exactness (NaN-aware) and error figures of ``out`` against ``ref`` (same shape, compared
     as fp32 values).
 
