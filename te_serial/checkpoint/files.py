@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple
@@ -409,20 +410,25 @@ class _DirectBlocks:
     both ways. Where the file system refuses ``O_DIRECT`` (tmpfs) or a write, everything is buffered.
     """
 
+    _stages = threading.local()  # one page-aligned staging buffer per writing thread, reused
+
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-        self.stage = mmap.mmap(-1, _STAGE_BYTES)  # page-aligned
 
     def write(self, view: memoryview, offset: int) -> int:
         """Write the whole blocks of ``view`` (at file ``offset``); returns how many bytes, from the
         first block boundary on, were written (0: none, the caller writes the rest buffered)."""
+        stage = getattr(self._stages, "buffer", None)
+        if stage is None:
+            stage = self._stages.buffer = mmap.mmap(-1, _STAGE_BYTES)
         start = -offset % _BLOCK
         end = start + (len(view) - start) // _BLOCK * _BLOCK
         pos = start
         while pos < end:
             n = min(_STAGE_BYTES, end - pos)
-            self.stage[:n] = view[pos:pos + n]
-            written = os.pwrite(self.fd, memoryview(self.stage)[:n], offset + pos)
+            stage[:n] = view[pos:pos + n]
+            with memoryview(stage) as staged:
+                written = os.pwrite(self.fd, staged[:n], offset + pos)
             if written != n:
                 raise OSError(errno.EIO, "short direct write")
             pos += n
@@ -432,7 +438,6 @@ class _DirectBlocks:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.stage.close()
 
 
 def _direct_io_wanted(size: int) -> bool:
