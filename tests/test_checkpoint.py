@@ -391,3 +391,20 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypat
     monkeypatch.setattr(files._DirectBlocks, "write", refuse)
     ts.save_quantized(sd, tmp_path / "fallback.safetensors")
     assert (tmp_path / "fallback.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_a_file_system_that_cannot_map_streams_read_bytes(tmp_path, monkeypatch):
+    """Checkpoint.stream on a file system without mmap (some network and FUSE mounts) reads the
+    buffers instead: the same tensor, still checked."""
+    import mmap as mmap_module
+    sd = {"w": ts.MXFP8Quantizer()(torch.randn(64, 64)), "b": torch.randn(100)}
+    ts.save_quantized(sd, tmp_path / "m.safetensors")
+
+    def no_mmap(*a, **k):
+        raise OSError(19, "No such device")
+    monkeypatch.setattr(mmap_module, "mmap", no_mmap)
+    with ts.Checkpoint(tmp_path / "m.safetensors") as ck:
+        for name in sd:
+            t, check = ck.stream(name)
+            assert_same_tensor(t, sd[name], name)
+            check()
