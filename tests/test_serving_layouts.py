@@ -414,3 +414,63 @@ def test_a_corrupt_source_fails_the_streamed_export_before_its_commit(tmp_path):
         tc.convert(tmp_path / "te", tmp_path / "mo", recipe="modelopt_nvfp4", overwrite=True)
     assert e.value.tensor == NAMES[1]
     assert {p.name: p.read_bytes() for p in (tmp_path / "mo").iterdir()} == before
+
+
+# --- several weight schemes in one export ---------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["modelopt", "compressed_tensors"])
+def test_a_mixed_export_writes_each_weight_in_its_own_scheme(tmp_path, family):
+    """NVFP4 and MXFP8 weights in one export, the rules naming a layout per weight: ModelOpt's
+    MIXED_PRECISION with each layer's quant_algo, or one compressed-tensors config group per scheme
+    targeting its modules. Each weight keeps its bytes, and comes back as it was."""
+    q4, q8 = recipe_quantizer("nvfp4", columnwise=False), recipe_quantizer("mxfp8", columnwise=False)
+    sd = {NAMES[0]: q4(randn((256, 512), 1, scale=0.7)), NAMES[1]: q8(randn((512, 256), 2, scale=3.0)),
+          "model.norm.weight": torch.ones(256, dtype=torch.bfloat16)}
+    ts.save_quantized(sd, tmp_path / "te")
+    rep = tc.convert(tmp_path / "te", tmp_path / "out",
+                     rules={NAMES[0]: f"{family}_nvfp4", NAMES[1]: f"{family}_mxfp8"})
+    assert rep.target_layout == f"{family}_mixed"
+    assert rep[NAMES[0]].label in ("lossless", "exact codes") and rep[NAMES[1]].label == "lossless"
+    assert rep[NAMES[0]].target.endswith("nvfp4") and rep[NAMES[1]].target.endswith("mxfp8")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    m0, m1 = (n[: -len(".weight")] for n in NAMES)
+    raw = _read(tmp_path / "out")
+    if family == "modelopt":
+        assert qc["quant_algo"] == "MIXED_PRECISION" and qc["quant_method"] == "modelopt"
+        assert qc["quantized_layers"] == {m0: {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+                                          m1: {"quant_algo": "MXFP8", "group_size": 32}}
+        hfq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
+        assert hfq["quantized_layers"] == qc["quantized_layers"] and "model.norm" not in hfq["quantized_layers"]
+        assert raw[NAMES[0]].dtype == torch.uint8 and raw[m0 + ".weight_scale_2"].shape == ()
+        assert raw[NAMES[1]].dtype == E4M3 and raw[m1 + ".weight_scale"].dtype == torch.uint8
+    else:
+        pytest.importorskip("compressed_tensors")
+        from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+        assert qc["format"] == "mixed-precision"
+        assert {(tuple(g["targets"]), g["format"]) for g in qc["config_groups"].values()} == {
+            ((m0,), "nvfp4-pack-quantized"), ((m1,), "mxfp8-quantized")}
+        got = CompressedTensorsDequantizer(str(tmp_path / "out"), dtype=torch.float32).process(raw)
+        assert torch.equal(got[NAMES[1]].to(torch.bfloat16), sd[NAMES[1]].dequantize(torch.bfloat16))
+        d = _ulps(got[NAMES[0]], sd[NAMES[0]].dequantize(torch.bfloat16).float())
+        assert int((d > 0).sum()) <= rep[NAMES[0]].ulp_elements
+    tc.convert(tmp_path / "out", tmp_path / "back")  # each weight back in its own TE format
+    back = ts.load_quantized(tmp_path / "back")
+    for n in NAMES:
+        assert back[n].quantizer.layout_key() == sd[n].quantizer.layout_key(), n
+        for k, v in sd[n].buffers().items():
+            assert torch.equal(back[n].buffers()[k].view(torch.uint8), v.view(torch.uint8)), (n, k)
+
+
+
+def test_a_mixed_modelopt_config_with_an_unread_layer_algo_is_refused_naming_it(tmp_path):
+    q4, q8 = recipe_quantizer("nvfp4", columnwise=False), recipe_quantizer("mxfp8", columnwise=False)
+    ts.save_quantized({NAMES[0]: q4(randn((256, 512), 1)), NAMES[1]: q8(randn((512, 256), 2))}, tmp_path / "te")
+    tc.convert(tmp_path / "te", tmp_path / "mo", rules={NAMES[0]: "modelopt_nvfp4", NAMES[1]: "modelopt_mxfp8"})
+    for name in ("hf_quant_config.json", "config.json"):
+        doc = json.loads((tmp_path / "mo" / name).read_text())
+        body = doc["quantization"] if name == "hf_quant_config.json" else doc["quantization_config"]
+        body["quantized_layers"][NAMES[1][: -len(".weight")]]["quant_algo"] = "W4A8_AWQ"
+        (tmp_path / "mo" / name).write_text(json.dumps(doc))
+    with pytest.raises(UnknownLayoutError, match="W4A8_AWQ") as e:
+        tc.convert(tmp_path / "mo", tmp_path / "back")
+    assert "mlp.up_proj" in str(e.value)

@@ -48,12 +48,13 @@ ProgressFn = Callable[[int, int, str], Any]
 
 @dataclasses.dataclass(frozen=True)
 class ExportSpec:
-    """What a serving-layout export writes for every quantized weight: the layout, its weight
-    scheme, the activation scheme chosen, and each layer's activation amax (static scales)."""
+    """What a serving-layout export writes for every quantized weight: the layout, each weight's
+    scheme, the activation scheme chosen per weight scheme, and each layer's activation amax
+    (static scales). Several weight schemes make a mixed export (``ExternalLayout.mixed_config``)."""
 
     family: str
-    scheme: str
-    mode: str
+    schemes: Mapping[str, str]          # quantized weight name → its weight scheme
+    modes: Mapping[str, str]            # every weight scheme the rules name → its activation scheme
     activation_amax: Mapping[str, float]
     note: str = ""
     dropped: tuple[str, ...] = ()       # TE module-state tensors left out of the export
@@ -62,9 +63,23 @@ class ExportSpec:
     def layout(self):
         return LAYOUTS[self.family]
 
+    def scheme_of(self, name: str) -> str:
+        return self.schemes[name]
+
+    def mode_of(self, name: str) -> str:
+        return self.modes[self.schemes[name]]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.modes) > 1
+
     @property
     def name(self) -> str:
-        return self.layout.layout_name(self.scheme)
+        return self.layout.mixed_name if self.mixed else self.layout.layout_name(next(iter(self.modes)))
+
+    def groups(self) -> list[tuple[str, str, list[str]]]:
+        """(weight scheme, activation mode, modules) for every scheme, modules in checkpoint order."""
+        return [(s, m, [module_of(n) for n, ws in self.schemes.items() if ws == s]) for s, m in self.modes.items()]
 
 
 @dataclasses.dataclass
@@ -117,18 +132,18 @@ def _parse_usages(usages: str | Sequence[bool] | None) -> tuple[bool, bool] | No
 _CT_FMT = {"fp8_tensor": "ct_fp8_tensor", "fp8_channel": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "mxfp8": "ct_mxfp8"}
 
 
-def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None) -> str:
+def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None, name: str = "") -> str:
     if q is None:
         return describe_dtype(dtype)
     if family == "deepseek":
         return "deepseek_fp8"
+    scheme = spec.schemes.get(name) if spec is not None else None
     if family == "ct":
-        scheme = spec.scheme if spec is not None else None
         if scheme in ("fp8_tensor", "fp8_channel", None):
             return "ct_fp8_tensor" if q.scale_per_tensor else "ct_fp8_channel"
         return _CT_FMT[scheme]
-    if family in LAYOUTS and spec is not None:
-        return spec.name
+    if family in LAYOUTS and scheme is not None:
+        return spec.layout.layout_name(scheme)
     return f"{describe_quantizer(q)}/{usage_label(q)}"
 
 
@@ -143,34 +158,43 @@ def _keep(st: SourceTensor, note: str = "") -> Step:
 
 
 def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype: torch.dtype,
-               usages: tuple[bool, bool] | None, scheme: str | None, src_file: str) -> Step:
+               usages: tuple[bool, bool] | None, schemes: Sequence[str], src_file: str) -> tuple[Step, str | None]:
+    """The tensor's step, and for a weight written quantized into a serving layout its scheme
+    (``schemes``: the weight schemes the export holds)."""
     name, shape = st.name, st.shape
-    rep = LAYOUTS[family].representation(scheme) if family in LAYOUTS and scheme else None
 
-    def keep_external(p) -> Step:
-        return plan_keep_external(family, p, st.dtype, dtype, scheme, st.uniform_rows, shape, rep, name)
+    def keep_external(p) -> tuple[Step, str | None]:
+        # kept in the layout where one of its schemes holds the source's bytes exactly, else plain
+        step = None
+        for scheme in schemes or (None,):
+            rep = LAYOUTS[family].representation(scheme) if scheme else None
+            step = plan_keep_external(family, p, st.dtype, dtype, scheme, st.uniform_rows, shape, rep, name)
+            if step.out_q is not None:
+                return step, scheme
+        return step, None
 
     if value == KEEP:
         if family == "te":
-            return _keep(st)
+            return _keep(st), None
         return keep_external(st.quantizer)
     t = target(value)
     if st.quantizer is None and not st.dtype.is_floating_point:
-        step = _keep(st, "not floating point: kept as it is")
-        if family != "te":
-            step = dataclasses.replace(keep_external(None), note="not floating point: kept as it is")
-        return step
+        if family == "te":
+            return _keep(st, "not floating point: kept as it is"), None
+        step, scheme = keep_external(None)
+        return dataclasses.replace(step, note="not floating point: kept as it is"), scheme
 
-    def refuse(why: str) -> Step:
+    def refuse(why: str) -> tuple[Step, str | None]:
         if explicit:
             raise ConversionError(f"rule target {value!r}: {why}; add a 'keep' rule for it before this one",
                                   file=src_file, tensor=name)
         if family == "te":
-            return _keep(st, f"kept: {why}")
-        return dataclasses.replace(keep_external(st.quantizer), note=f"kept: {why}")
+            return _keep(st, f"kept: {why}"), None
+        step, scheme = keep_external(st.quantizer)
+        return dataclasses.replace(step, note=f"kept: {why}"), scheme
 
     if t.family == "plain":
-        return plan_plain(st.quantizer, st.dtype, t.dtype)
+        return plan_plain(st.quantizer, st.dtype, t.dtype), None
     if t.family == "te":
         use = usages or (st.quantizer.default_usages() if st.quantizer is not None else (True, True))
         try:
@@ -180,14 +204,15 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
             q.check_shape(shape)
         except (ShapeError, FormatError) as e:
             return refuse(str(e))
-        return plan_te(st.quantizer, q, dtype, st.dtype)
+        return plan_te(st.quantizer, q, dtype, st.dtype), None
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
+    rep = LAYOUTS[family].representation(t.scheme)
     try:
         rep.check_shape(shape)
     except ShapeError as e:
         return refuse(f"{t.name}: {e}")
-    return plan_external(st.quantizer, t.scheme, rep, dtype, st.dtype, st.uniform_rows)
+    return plan_external(st.quantizer, t.scheme, rep, dtype, st.dtype, st.uniform_rows), t.scheme
 
 
 def _layout(family: str, name: str, shape: tuple[int, ...], step: Step,
@@ -197,9 +222,9 @@ def _layout(family: str, name: str, shape: tuple[int, ...], step: Step,
         return [(name, shape, step.out_dtype)]
     if family == "te":
         return [(buffer_key(name, b), s, d) for b, (s, d) in expected_buffers(step.proto(shape)).items()]
-    keys = spec.layout.weight_keys(name, tuple(shape), spec.scheme)
-    if spec.mode == "static":
-        keys += spec.layout.act_keys(name, spec.scheme)
+    keys = spec.layout.weight_keys(name, tuple(shape), spec.scheme_of(name))
+    if spec.mode_of(name) == "static":
+        keys += spec.layout.act_keys(name, spec.scheme_of(name))
     return keys
 
 
@@ -209,9 +234,10 @@ def _export(family: str, name: str, out: torch.Tensor, spec: ExportSpec | None =
     if family == "te":
         vals = out.quantizer.value_dtypes()
         return {buffer_key(name, n): t.view(vals[n]) for n, t in out.buffers().items()}
-    blobs = spec.layout.export(name, out, spec.scheme)
-    if spec.mode == "static":
-        blobs.update(spec.layout.export_act(name, spec.scheme, spec.activation_amax[module_of(name)]))
+    scheme = spec.scheme_of(name)
+    blobs = spec.layout.export(name, out, scheme)
+    if spec.mode_of(name) == "static":
+        blobs.update(spec.layout.export_act(name, scheme, spec.activation_amax[module_of(name)]))
     return blobs
 
 
@@ -260,14 +286,9 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
         rules = load_rules(rules)
     r = Rules(rules, recipe)
     family = r.family()
-    scheme = None
-    if family in LAYOUTS:
-        schemes = {target(v).scheme for v in r.values() if target(v).family == family}
-        if len(schemes) > 1:
-            names = sorted({v for v in r.values() if target(v).family == family})
-            raise ConversionError(f"targets {names} are different weight schemes; one {FAMILY_LAYOUT[family]} "
-                                  "export holds one scheme: convert to one of them")
-        scheme = next(iter(schemes))
+    schemes: list[str] = []
+    if family in LAYOUTS:  # in the order the rules name them (the recipe last)
+        schemes = list(dict.fromkeys(target(v).scheme for v in r.values() if target(v).family == family))
     dtype = _parse_dtype(dtype)
     use = _parse_usages(usages)
     mode = parse_mode(activations)
@@ -275,26 +296,33 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
     keep_dtype = target(recipe).dtype if recipe is not None and target(recipe).family == "plain" else dtype
     module_state = getattr(source, "extra_state_tensors", set()) if family in LAYOUTS else set()
     steps: list[tuple[str, SourceTensor, Step]] = []
+    scheme_of: dict[str, str] = {}
     for name, st in source.tensors.items():
         if name in module_state:
             continue  # TE module state (amax history…): not a weight; its activation amax is used below
         value, explicit = r.lookup(name, st.shape)
-        step = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use, scheme,
-                          _file_of(source, st))
+        step, scheme = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use, schemes,
+                                  _file_of(source, st))
         steps.append((name, st, step))
+        if scheme is not None and step.out_q is not None:
+            scheme_of[name] = scheme
     spec = None
     if family in LAYOUTS:
         acts = dict(source.activation_amax)
         acts.update(_parse_amax(activation_amax))
-        quantized = [module_of(n) for n, _, step in steps if step.out_q is not None]
-        with_amax = sum(m in acts for m in quantized)
-        chosen, note = LAYOUTS[family].resolve_mode(scheme, mode, with_amax, len(quantized))
-        spec = ExportSpec(family, scheme, chosen, {m: acts[m] for m in quantized if m in acts}, note,
-                          tuple(sorted(module_state)))
+        modes, notes = {}, []
+        for s in schemes:  # each weight scheme's activation scheme, from the amax of its own layers
+            quantized = [module_of(n) for n, ws in scheme_of.items() if ws == s]
+            with_amax = sum(m in acts for m in quantized)
+            modes[s], note = LAYOUTS[family].resolve_mode(s, mode, with_amax, len(quantized))
+            notes.append(note if len(schemes) == 1 else f"{LAYOUTS[family].layout_name(s)} layers: {note}")
+        spec = ExportSpec(family, scheme_of, modes,
+                          {module_of(n): acts[module_of(n)] for n in scheme_of if module_of(n) in acts},
+                          "; ".join(notes), tuple(sorted(module_state)))
     plans: list[TensorPlan] = []
     by_name: dict[str, TensorPlan] = {}
     for name, st, step in steps:
-        plan = TensorPlan(name, st, step, _fmt(step.out_q, step.out_dtype, family, spec),
+        plan = TensorPlan(name, st, step, _fmt(step.out_q, step.out_dtype, family, spec, name),
                           _layout(family, name, st.shape, step, spec), export=spec)
         plans.append(plan)
         by_name[name] = plan
@@ -442,8 +470,12 @@ def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[Te
         base.pop("quantization_config", None)
         return base
     base = base or {}
-    base["quantization_config"] = spec.layout.quantization_config(spec.scheme, spec.mode,
-                                                                  _ignored_modules(plans, source))
+    ignored = _ignored_modules(plans, source)
+    if spec.mixed:
+        base["quantization_config"] = spec.layout.mixed_config(spec.groups(), ignored)
+    else:
+        [(scheme, mode, _)] = spec.groups()
+        base["quantization_config"] = spec.layout.quantization_config(scheme, mode, ignored)
     return base
 
 
@@ -615,7 +647,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
             if spec is not None:
                 ignored = config["quantization_config"].get("ignore", config["quantization_config"].get(
                     "exclude_modules", config["quantization_config"].get("ignored_layers", [])))
-                extra.update(spec.layout.extra_files(spec.scheme, spec.mode, ignored))
+                extra.update(spec.layout.extra_files(spec.groups(), ignored))
                 extra[SIDECAR_NAME] = write_sidecar(out.sidecar, spec.activation_amax)
             rep.files = out.commit(config, [] if single else aux, extra)
         except BaseException:
@@ -690,7 +722,7 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
 
     result, step = execute(step, src, x_fn)
     proto = TensorProto(st.shape, step.out_dtype, step.out_q if isinstance(result, QuantizedTensorStorage) else None)
-    target_fmt = _fmt(proto.quantizer, step.out_dtype, family, plan.export)
+    target_fmt = _fmt(proto.quantizer, step.out_dtype, family, plan.export, plan.name)
     quantized_src = isinstance(src, QuantizedTensorStorage)
     primary = x_fn if quantized_src else (lambda: src)  # a plain source is compared as it is (no copy)
     spec = plan.export
@@ -703,7 +735,8 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
         # source's bytes (a copy, or tile scales spread by the format's own derive), so te-serial's
         # values are the source's; what can differ is the layout reader's way of applying the tensor
         # scale — measured per (block scale, code) pair, without a pass over the elements.
-        reader = spec.layout.reader(spec.scheme, spec.layout.export(plan.name, result, spec.scheme), plan.name)
+        scheme = spec.scheme_of(plan.name)
+        reader = spec.layout.reader(scheme, spec.layout.export(plan.name, result, scheme), plan.name)
         checks.append(codes_check(result, reader))
         stats = ErrorStats(True)
     elif not isinstance(result, QuantizedTensorStorage):

@@ -293,6 +293,7 @@ class SafetensorsSource(Source):
         self.sidecar, sidecar_acts = read_sidecar(root / SIDECAR_NAME) if (root / SIDECAR_NAME).is_file() else ({}, {})
         self.consumed: set[str] = set()
         self.modelopt_algo: str | None = None
+        self.modelopt_layers: dict | None = None   # MIXED_PRECISION: layer → its quant_algo entry
         self.ct_schemes: set[str] | None = None
         self.ue8m0 = False
         self.layout = self._classify()
@@ -347,6 +348,8 @@ class SafetensorsSource(Source):
             body = (hfq or {}).get("quantization") if hfq is not None else qc
             algo = body.get("quant_algo") if isinstance(body, dict) else None
             self.modelopt_algo = algo if isinstance(algo, str) else ""
+            layers = body.get("quantized_layers") if isinstance(body, dict) and algo == "MIXED_PRECISION" else None
+            self.modelopt_layers = layers if isinstance(layers, dict) else None
             return "modelopt"
         if method == "fp8":
             block = qc.get("weight_block_size")

@@ -7,7 +7,8 @@ safetensors checkpoint any HF loader reads), or a serving layout: ModelOpt (``mo
 (``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp8``, ``compressed_tensors_fp8``,
 ``compressed_tensors_fp8_tensor``) or ``deepseek_fp8``. Plain dtypes mix with any other target
 (they mean "a plain tensor of that dtype"); te-serial recipes and each serving layout do not mix,
-since they are different file layouts, and one serving export holds one weight scheme.
+since they are different file layouts; several weight schemes of one serving layout make a mixed
+export (ModelOpt ``MIXED_PRECISION``, compressed-tensors config groups).
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ class ExternalLayout:
     modes: dict[str, dict[str, str]] = {}
     #: files this layout writes besides the shards, index and config.json
     extra_file_names: tuple[str, ...] = ()
+    #: the report's name for an export holding several weight schemes ("": the layout has none)
+    mixed_name: str = ""
 
     # --- naming ------------------------------------------------------------------------------
     def layout_name(self, scheme: str) -> str:
@@ -110,7 +112,12 @@ class ExternalLayout:
     def quantization_config(self, scheme: str, mode: str, ignored: list[str]) -> dict:
         raise NotImplementedError
 
-    def extra_files(self, scheme: str, mode: str, ignored: list[str]) -> dict[str, Any]:
+    def mixed_config(self, groups: list[tuple[str, str, list[str]]], ignored: list[str]) -> dict:
+        """``quantization_config`` of an export holding several weight schemes: ``groups`` is
+        (weight scheme, activation mode, the modules written in it) for each."""
+        raise NotImplementedError
+
+    def extra_files(self, groups: list[tuple[str, str, list[str]]], ignored: list[str]) -> dict[str, Any]:
         return {}
 
     # --- import ----------------------------------------------------------------------------------

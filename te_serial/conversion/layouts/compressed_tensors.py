@@ -49,6 +49,7 @@ def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=Non
 
 class CompressedTensors(ExternalLayout):
     family = "ct"
+    mixed_name = "compressed_tensors_mixed"
     modes = {
         "nvfp4": {"weight_only": "NVFP4A16", "static": "NVFP4 (W4A4)"},
         "mxfp8": {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"},
@@ -103,6 +104,21 @@ class CompressedTensors(ExternalLayout):
         return lambda codes, scales: table[codes.long()] * (e4m3_values(scales) / gs)
 
     def quantization_config(self, scheme, mode, ignored):
+        group = self._group(scheme, mode, ["Linear"])
+        return self._config({"group_0": group}, group["format"], ignored)
+
+    def mixed_config(self, groups, ignored):
+        """One config group per weight scheme, targeting its modules by name; the top-level format
+        ``mixed-precision`` says each group carries its own (compressed-tensors' own rule)."""
+        return self._config({f"group_{i}": self._group(s, m, mods) for i, (s, m, mods) in enumerate(groups)},
+                            "mixed-precision", ignored)
+
+    @staticmethod
+    def _config(groups, fmt, ignored):
+        return {"config_groups": groups, "format": fmt, "ignore": list(ignored), "kv_cache_scheme": None,
+                "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+    def _group(self, scheme, mode, targets):
         fmt = _FORMAT[scheme]
         if scheme == "nvfp4":
             w = _args(4, "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
@@ -116,10 +132,8 @@ class CompressedTensors(ExternalLayout):
             w = _args(8, "channel" if scheme == "fp8_channel" else "tensor")
             act = {"dynamic": _args(8, "token", dynamic=True, observer=None),
                    "static": _args(8, "tensor", observer="static_minmax")}.get(mode)
-        group = {"targets": ["Linear"], "weights": w, "input_activations": act, "output_activations": None,
-                 "format": fmt}
-        return {"config_groups": {"group_0": group}, "format": fmt, "ignore": list(ignored), "kv_cache_scheme": None,
-                "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+        return {"targets": list(targets), "weights": w, "input_activations": act, "output_activations": None,
+                "format": fmt}
 
     # --- import -------------------------------------------------------------------------------------
     def claim(self, src: "SafetensorsSource") -> None:

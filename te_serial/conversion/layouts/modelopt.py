@@ -77,6 +77,7 @@ class ModelOpt(ExternalLayout):
              "fp8_tensor": {"static": "FP8"},
              "fp8_block": {"weight_only": "FP8_PB_WO"}}
     extra_file_names = (HF_QUANT_CONFIG,)
+    mixed_name = "modelopt_mixed"
 
     def layout_name(self, scheme):
         return _NAMES.get(scheme, "modelopt")
@@ -118,26 +119,47 @@ class ModelOpt(ExternalLayout):
         table = e2m1_values()
         return lambda codes, scales: table[codes.long()] * (e4m3_values(scales) * ws2)
 
-    def _body(self, scheme, mode, ignored):
-        q = {"quant_algo": self.modes[scheme][mode], "kv_cache_quant_algo": None, "exclude_modules": list(ignored)}
+    def _algo(self, scheme, mode):
+        q = {"quant_algo": self.modes[scheme][mode]}
         if scheme in _GROUP:
             q["group_size"] = _GROUP[scheme]
         return q
 
+    def _body(self, groups, ignored):
+        """One scheme: its ``quant_algo``; several: ``MIXED_PRECISION`` with each layer's own
+        (``quantized_layers``, as ModelOpt's per-layer export writes it)."""
+        if len(groups) == 1:
+            scheme, mode, _ = groups[0]
+            body = self._algo(scheme, mode)
+        else:
+            body = {"quant_algo": "MIXED_PRECISION",
+                    "quantized_layers": {m: self._algo(s, mode) for s, mode, mods in groups for m in mods}}
+        return {**body, "kv_cache_quant_algo": None, "exclude_modules": list(ignored)}
+
     def quantization_config(self, scheme, mode, ignored):
-        return {"quant_method": "modelopt", **self._body(scheme, mode, ignored),
+        return self.mixed_config([(scheme, mode, [])], ignored)
+
+    def mixed_config(self, groups, ignored):
+        return {"quant_method": "modelopt", **self._body(groups, ignored),
                 "producer": {"name": "te-serial", "version": __version__}}
 
-    def extra_files(self, scheme, mode, ignored):
+    def extra_files(self, groups, ignored):
         return {HF_QUANT_CONFIG: {"producer": {"name": "te-serial", "version": __version__},
-                                  "quantization": self._body(scheme, mode, ignored)}}
+                                  "quantization": self._body(groups, ignored)}}
 
     # --- import -------------------------------------------------------------------------------------
     def claim(self, src: "SafetensorsSource") -> None:
         algo = src.modelopt_algo  # None: no config file said (the tensors' names and dtypes do)
-        if algo is not None and algo not in _ALGOS:
+        if algo is not None and algo not in _ALGOS and algo != "MIXED_PRECISION":
             raise UnknownLayoutError(f"ModelOpt quant_algo {algo!r} is not read (te-serial reads "
-                                     f"{', '.join(_ALGOS)})", file=src.config_file, field="quant_algo")
+                                     f"{', '.join(_ALGOS)} and MIXED_PRECISION of them)", file=src.config_file,
+                                     field="quant_algo")
+        for layer, spec in (src.modelopt_layers or {}).items():
+            a = spec.get("quant_algo") if isinstance(spec, dict) else None
+            if a not in _ALGOS:
+                raise UnknownLayoutError(f"ModelOpt quant_algo {a!r} of layer {layer!r} is not read (te-serial reads "
+                                         f"{', '.join(_ALGOS)})", file=src.config_file,
+                                         field=f"quantized_layers.{layer}.quant_algo")
         keyset = set(src._where)
         for k in list(src._where):
             if not k.endswith(".weight_scale"):
