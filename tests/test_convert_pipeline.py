@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import threading
@@ -214,11 +215,32 @@ def test_full_stats_by_row_windows_equal_the_whole_tensor_comparison(monkeypatch
     assert len(rows) == 16 and rows[0] == (0, 64) and rows[-1] == (960, 1024)
     for u in ("rowwise", "columnwise"):
         whole = tr.compare(x, tr.values(t, u))
-        windows = tr.compare_rows(lambda r: tr.rows_of(x, r), lambda r: tr.values(t, u, rows=r), rows)
+        [windows] = tr.compare_rows(lambda r: tr.rows_of(x, r), [lambda r: tr.values(t, u, rows=r)], rows)
         assert windows.exact == whole.exact and windows.max_abs_err == whole.max_abs_err
         # the sums are fp32 dot products per chunk: other chunk bounds, other last bits
         assert windows.rel_rmse == pytest.approx(whole.rel_rmse, rel=1e-5)
         assert windows.snr_db == pytest.approx(whole.snr_db, rel=1e-5)
+
+
+def test_outputs_compared_in_one_pass_get_the_figures_of_one_pass_each():
+    """compare_rows widens the reference and sums its squares once for several outputs: each
+    output's figures are bit for bit those of its own comparison, whatever the others hold (a
+    non-finite value masks the reference for that output only; an fp32 overflow goes to fp64)."""
+    from te_serial.conversion import transforms as tr
+    x = randn((512, 256), 7, scale=1.0)                       # BF16: widened once per chunk
+    near = x.float() + randn((512, 256), 8, scale=0.01).float()
+    holes = near.clone()
+    holes[3, 4], holes[300, 7] = float("inf"), float("nan")   # masked: its own Σx²
+    same = x.float()                                          # exact
+    huge = x.float() * 3e19                                   # Σd² overflows fp32
+    outs = [near, holes, same, huge]
+    rows = [(0, 128), (128, 512)]
+    together = tr.compare_rows(lambda r: tr.rows_of(x, r), [lambda r, o=o: tr.rows_of(o, r) for o in outs], rows)
+    for o, got in zip(outs, together):
+        [alone] = tr.compare_rows(lambda r: tr.rows_of(x, r), [lambda r: tr.rows_of(o, r)], rows)
+        assert dataclasses.asdict(got) == dataclasses.asdict(alone)
+    assert together[2].exact and not together[0].exact and together[1].max_abs_err == math.inf
+    assert math.isfinite(together[3].rel_rmse) and together[3].rel_rmse > 1e18
 
 
 @pytest.mark.parametrize("chunk", [3, 1 << 20])

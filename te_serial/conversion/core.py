@@ -752,14 +752,19 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
             stats = ErrorStats(False, math.nan, math.nan, math.nan)
         else:
             rows = (sample_rows if measured == "sample" else all_rows)(st.shape, result, src)
-            stats = None
+            found: list[ErrorStats] = []
+            from_primary = []  # usages compared with the primary values: one pass over them for all
             for u in enabled(result.quantizer):
                 src_has = quantized_src and (src.quantizer.rowwise if u == ROW else src.quantizer.columnwise)
-                rebuilt = requantized or u in step.requant
-                if src_has and not rebuilt:
-                    s = compare_rows(lambda r: values(src, u, rows=r), lambda r: values(result, u, rows=r), rows)
+                out_u = (lambda u: lambda r: values(result, u, rows=r))(u)
+                if src_has and not (requantized or u in step.requant):
+                    found += compare_rows(lambda r, u=u: values(src, u, rows=r), [out_u], rows)
                 else:
-                    s = compare_rows(lambda r: rows_of(primary(), r), lambda r: values(result, u, rows=r), rows)
+                    from_primary.append(out_u)
+            if from_primary:
+                found += compare_rows(lambda r: rows_of(primary(), r), from_primary, rows)
+            stats = None
+            for s in found:
                 stats = s if stats is None else stats.worst(s)
             if stats is None:  # no 2-D usage of its own (a grouped tensor): its values as a whole
                 stats = compare(primary(), values(result))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -124,16 +124,20 @@ def sample_rows(shape: tuple[int, ...], *tensors: torch.Tensor) -> list[tuple[in
 
 
 def compare_rows(ref: Callable[[tuple[int, int] | None], torch.Tensor],
-                 out: Callable[[tuple[int, int] | None], torch.Tensor],
-                 rows: list[tuple[int, int]] | None) -> ErrorStats:
-    """:func:`compare` over the given row ranges (``ref(r)`` / ``out(r)`` give those rows' values),
-    or over the whole tensors when ``rows`` is None."""
-    if rows is None:
-        return compare(ref(None), out(None))
-    c = _Comparison()
-    for r in rows:  # one window at a time: memory is a window's values, not the tensor's
-        c.add(ref(r), out(r))
-    return c.result()
+                 outs: Sequence[Callable[[tuple[int, int] | None], torch.Tensor]],
+                 rows: list[tuple[int, int]] | None) -> list[ErrorStats]:
+    """:func:`compare` of each output against one reference over the given row ranges (``ref(r)`` /
+    ``out(r)`` give those rows' values), or over the whole tensors when ``rows`` is None; the
+    reference's rows are read and widened once for all outputs."""
+    cs = [_Comparison() for _ in outs]
+    for r in rows if rows is not None else [None]:  # one window at a time: memory is a window's values
+        x = ref(r)
+        ys = [out(r) for out in outs]
+        for y in ys:
+            if y.shape != x.shape:
+                raise ConversionError(f"shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
+        _add_each(cs, x, ys, 1 << 18)
+    return [c.result() for c in cs]
 
 
 #: "full" statistics of a large tensor dequantize this many fp32 bytes of rows at a time
@@ -174,43 +178,51 @@ class _Comparison:
         self.max_abs = self.err2 = self.sig2 = 0.0
 
     def add(self, ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> None:
-        a, b = ref.reshape(-1), out.reshape(-1)  # any float dtypes: widened to fp32 chunk by chunk
-        # one set of cache-sized fp32 scratch buffers, reused: no fresh pages per chunk
-        n0 = min(chunk, a.numel())
-        xs = torch.empty(n0) if a.dtype != torch.float32 else None
-        ys = torch.empty(n0) if b.dtype != torch.float32 else None
-        ds = torch.empty(n0)
-        for i in range(0, a.numel(), chunk):
-            n = min(chunk, a.numel() - i)
-            x = a[i:i + n] if xs is None else xs[:n].copy_(a[i:i + n])
-            y = b[i:i + n] if ys is None else ys[:n].copy_(b[i:i + n])
-            d = torch.sub(y, x, out=ds[:n])
-            lo, hi = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
-            m = max(-float(lo), float(hi))  # max |d| in one pass (NaN propagates)
-            if self.exact:
-                if m > 0 and math.isfinite(m):  # a finite nonzero difference settles it
-                    self.exact = False
-                elif not torch.equal(x.view(torch.int32), y.view(torch.int32)):
-                    # all differences 0 or non-finite: -0.0 vs 0.0 and NaN payloads decide on the bits
-                    nx_, ny_ = torch.isnan(x), torch.isnan(y)
-                    self.exact = torch.equal(nx_, ny_) and torch.equal(
-                        torch.where(nx_, 0, x.view(torch.int32)), torch.where(ny_, 0, y.view(torch.int32)))
-            if not math.isfinite(m):  # a non-finite value on either side: compare the finite ones
-                fx, fy = torch.isfinite(x), torch.isfinite(y)
-                both = fx & fy
-                same_nonfinite = (~fx & ~fy) & ((x == y) | (torch.isnan(x) & torch.isnan(y)))
-                if bool((~both & ~same_nonfinite).any()):
-                    self.nonfinite_mismatch = True
-                x = torch.where(both, x, 0)
-                d = torch.where(both, d, 0)
-                m = float(d.abs().max())
-            self.max_abs = max(self.max_abs, m)
-            e2, s2 = float(torch.dot(d, d)), float(torch.dot(x, x))  # fp32 BLAS per chunk, summed in fp64
-            if not (math.isfinite(e2) and math.isfinite(s2)):
-                e2 = float(torch.sum(d.double() ** 2))
+        _add_each([self], ref, [out], chunk)
+
+    def _chunk(self, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor,
+               shared: tuple[float, bool] | None) -> tuple[float, bool] | None:
+        """One chunk (fp32, ``d`` a scratch buffer of its size). ``shared``: Σx² of this chunk and
+        whether it overflowed fp32, from another output compared with the same ``x``; returns it
+        for the next one (None where this comparison masked ``x``)."""
+        d = torch.sub(y, x, out=d)
+        lo, hi = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
+        m = max(-float(lo), float(hi))  # max |d| in one pass (NaN propagates)
+        if self.exact:
+            if m > 0 and math.isfinite(m):  # a finite nonzero difference settles it
+                self.exact = False
+            elif not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                # all differences 0 or non-finite: -0.0 vs 0.0 and NaN payloads decide on the bits
+                nx_, ny_ = torch.isnan(x), torch.isnan(y)
+                self.exact = torch.equal(nx_, ny_) and torch.equal(
+                    torch.where(nx_, 0, x.view(torch.int32)), torch.where(ny_, 0, y.view(torch.int32)))
+        masked = not math.isfinite(m)
+        if masked:  # a non-finite value on either side: compare the finite ones
+            fx, fy = torch.isfinite(x), torch.isfinite(y)
+            both = fx & fy
+            same_nonfinite = (~fx & ~fy) & ((x == y) | (torch.isnan(x) & torch.isnan(y)))
+            if bool((~both & ~same_nonfinite).any()):
+                self.nonfinite_mismatch = True
+            x = torch.where(both, x, 0)
+            d = torch.where(both, d, 0)
+            m = float(d.abs().max())
+        self.max_abs = max(self.max_abs, m)
+        e2 = float(torch.dot(d, d))  # fp32 BLAS per chunk, summed in fp64
+        if masked or shared is None:
+            s2 = float(torch.dot(x, x))
+            wide = not math.isfinite(s2)
+            if wide:
                 s2 = float(torch.sum(x.double() ** 2))
-            self.err2 += e2
-            self.sig2 += s2
+        else:
+            s2, wide = shared
+        mine = (s2, wide)
+        if wide or not math.isfinite(e2):  # either sum overflowing fp32: both in fp64
+            e2 = float(torch.sum(d.double() ** 2))
+            if not wide:
+                s2 = float(torch.sum(x.double() ** 2))
+        self.err2 += e2
+        self.sig2 += s2
+        return shared if masked else mine
 
     def result(self) -> ErrorStats:
         if self.exact:
@@ -219,6 +231,25 @@ class _Comparison:
         rel = math.sqrt(err2 / sig2) if sig2 > 0 else (0.0 if err2 == 0 else math.inf)
         snr = math.inf if err2 == 0 else (10 * math.log10(sig2 / err2) if sig2 > 0 else -math.inf)
         return ErrorStats(False, math.inf if self.nonfinite_mismatch else self.max_abs, rel, snr)
+
+
+def _add_each(cs: list[_Comparison], ref: torch.Tensor, outs: list[torch.Tensor], chunk: int) -> None:
+    """Add ``outs[i]`` against ``ref`` to ``cs[i]``, chunk by chunk (any float dtypes, widened to
+    fp32): each chunk of ``ref`` is widened and its Σx² taken once for every output. One set of
+    cache-sized scratch buffers is reused: no fresh pages per chunk."""
+    a = ref.reshape(-1)
+    bs = [o.reshape(-1) for o in outs]
+    n0 = min(chunk, a.numel())
+    xs = torch.empty(n0) if a.dtype != torch.float32 else None
+    ys = torch.empty(n0) if any(b.dtype != torch.float32 for b in bs) else None
+    ds = torch.empty(n0)
+    for i in range(0, a.numel(), chunk):
+        n = min(chunk, a.numel() - i)
+        x = a[i:i + n] if xs is None else xs[:n].copy_(a[i:i + n])
+        shared = None
+        for c, b in zip(cs, bs):
+            y = b[i:i + n] if b.dtype == torch.float32 else ys[:n].copy_(b[i:i + n])
+            shared = c._chunk(x, y, ds[:n], shared)
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> ErrorStats:
