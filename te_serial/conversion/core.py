@@ -10,6 +10,7 @@ one: memory is set by the largest tensor, not by the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -756,9 +757,9 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
             from_primary = []  # usages compared with the primary values: one pass over them for all
             for u in enabled(result.quantizer):
                 src_has = quantized_src and (src.quantizer.rowwise if u == ROW else src.quantizer.columnwise)
-                out_u = (lambda u: lambda r: values(result, u, rows=r))(u)
+                out_u = functools.partial(values, result, u)   # out_u(rows): those rows' values
                 if src_has and not (requantized or u in step.requant):
-                    found += compare_rows(lambda r, u=u: values(src, u, rows=r), [out_u], rows)
+                    found += compare_rows(functools.partial(values, src, u), [out_u], rows)
                 else:
                     from_primary.append(out_u)
             if from_primary:

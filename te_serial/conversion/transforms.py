@@ -131,12 +131,7 @@ def compare_rows(ref: Callable[[tuple[int, int] | None], torch.Tensor],
     reference's rows are read and widened once for all outputs."""
     cs = [_Comparison() for _ in outs]
     for r in rows if rows is not None else [None]:  # one window at a time: memory is a window's values
-        x = ref(r)
-        ys = [out(r) for out in outs]
-        for y in ys:
-            if y.shape != x.shape:
-                raise ConversionError(f"shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
-        _add_each(cs, x, ys, 1 << 18)
+        _add_each(cs, ref(r), [out(r) for out in outs])
     return [c.result() for c in cs]
 
 
@@ -176,9 +171,6 @@ class _Comparison:
     def __init__(self) -> None:
         self.exact, self.nonfinite_mismatch = True, False
         self.max_abs = self.err2 = self.sig2 = 0.0
-
-    def add(self, ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> None:
-        _add_each([self], ref, [out], chunk)
 
     def _chunk(self, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor,
                shared: tuple[float, bool] | None) -> tuple[float, bool] | None:
@@ -233,10 +225,13 @@ class _Comparison:
         return ErrorStats(False, math.inf if self.nonfinite_mismatch else self.max_abs, rel, snr)
 
 
-def _add_each(cs: list[_Comparison], ref: torch.Tensor, outs: list[torch.Tensor], chunk: int) -> None:
-    """Add ``outs[i]`` against ``ref`` to ``cs[i]``, chunk by chunk (any float dtypes, widened to
-    fp32): each chunk of ``ref`` is widened and its Σx² taken once for every output. One set of
-    cache-sized scratch buffers is reused: no fresh pages per chunk."""
+def _add_each(cs: list[_Comparison], ref: torch.Tensor, outs: list[torch.Tensor], chunk: int = 1 << 18) -> None:
+    """Add ``outs[i]`` against ``ref`` (same shape) to ``cs[i]``, chunk by chunk (any float dtypes,
+    widened to fp32): each chunk of ``ref`` is widened and its Σx² taken once for every output. One
+    set of cache-sized scratch buffers is reused: no fresh pages per chunk."""
+    for o in outs:
+        if o.shape != ref.shape:
+            raise ConversionError(f"shapes differ: {tuple(ref.shape)} vs {tuple(o.shape)}")
     a = ref.reshape(-1)
     bs = [o.reshape(-1) for o in outs]
     n0 = min(chunk, a.numel())
@@ -259,10 +254,8 @@ def compare(ref: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 18) -> Error
     Non-finite values must sit at the same places with the same value (inf sign, NaN) or the
     max abs error is inf; the figures cover the finite elements.
     """
-    if ref.shape != out.shape:
-        raise ConversionError(f"shapes differ: {tuple(ref.shape)} vs {tuple(out.shape)}")
     c = _Comparison()
-    c.add(ref, out, chunk)
+    _add_each([c], ref, [out], chunk)
     return c.result()
 
 
