@@ -47,6 +47,8 @@ __all__ = [
 
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 USAGES = (ROWWISE, COLUMNWISE)
+#: ``_kernel_args`` key of the whole input's amax, when the caller took it already
+_TENSOR_AMAX = "tensor_amax"
 
 
 class BufferSpec(NamedTuple):
@@ -481,6 +483,13 @@ class Quantizer:
         ``_prepare``: inputs of a compiled kernel rather than constants that would recompile it."""
         return {}
 
+    @staticmethod
+    def _tensor_amax(x2: torch.Tensor, args: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        """max|x2| (NaN ignored) as fp32: the one the compiled path took with its NaN check, handed
+        in through ``args``, else computed here."""
+        given = (args or {}).get(_TENSOR_AMAX)
+        return given if given is not None else nx.nan_ignoring_amax(x2)
+
     def _prepare(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """Tensor-wide pass over the 2-D input [M, K] before the rows: (state for ``_quantize_rows``,
         whole-tensor buffers such as a per-tensor ``scale_inv`` or ``amax``, in their spec shapes)."""
@@ -548,10 +557,11 @@ class Quantizer:
         specs = self.describe_buffers(shape)
         x2 = x.reshape(m, k)
         args = self._kernel_args(x.device)
-        if fused.wants_fused(x.numel(), x.device, self.fusable()) and not fused.may_hold_nan(x2):
+        amax = fused.nan_free_amax(x2) if fused.wants_fused(x.numel(), x.device, self.fusable()) else None
+        if amax is not None:
             # detach: no view of x, whose strides would be guarded
             got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
-                            self, _blocked(x2.detach(), self.slice_alignment()), args)
+                            self, _blocked(x2.detach(), self.slice_alignment()), {**args, _TENSOR_AMAX: amax})
             if got is not None:  # FP8 data comes back typed (fast stores): the same bytes, viewed
                 return {n: got[n].view(specs[n].dtype).reshape(specs[n].shape) for n in specs}
         out = {}

@@ -16,6 +16,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
+from ..native import transpose_bytes
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
@@ -145,25 +146,22 @@ class Float8BlockQuantizer(Quantizer):
 
     def _quantize_rows(self, xc, state):
         out = {}
-        if self.block_scaling_dim == 2:  # the columnwise copy is the exact transpose, same tile grid
+        if self.block_scaling_dim == 2:  # one tile grid for both usages: the columnwise codes are the rowwise ones
             scale = self._scale(_blocks_amax(xc, BLOCK, BLOCK), xc.dtype)
-            scale_inv = nx.reciprocal(scale)
+            codes, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
             if self.rowwise:
-                out["_rowwise_data"] = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype)
-                out["_rowwise_scale_inv"] = scale_inv
-            if self.columnwise:  # cast from the transposed input: elementwise, so the same bytes, in one pass
-                out["_columnwise_data"] = _scaled(xc.t(), scale.t(), BLOCK, BLOCK, self.fp8_dtype)
-                out["_columnwise_scale_inv"] = scale_inv
+                out["_rowwise_data"], out["_rowwise_scale_inv"] = codes, scale_inv
+            if self.columnwise:
+                out["_columnwise_data"], out["_columnwise_scale_inv"] = transpose_bytes(codes), scale_inv
             return out
         if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
             scale = self._scale(_blocks_amax(xc, 1, BLOCK), xc.dtype)
             out["_rowwise_data"] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
             out["_rowwise_scale_inv"] = nx.reciprocal(scale)
-        if self.columnwise:  # transposed data [K, R], 1×128 along M: grid [ceil(R/128), K]
-            xt = xc.t()
-            scale = self._scale(_blocks_amax(xt, 1, BLOCK), xc.dtype)
-            out["_columnwise_data"] = _scaled(xt, scale, 1, BLOCK, self.fp8_dtype)
-            out["_columnwise_scale_inv"] = nx.reciprocal(scale).t()
+        if self.columnwise:  # 128×1 along M, grid [ceil(R/128), K]: codes in row order, then transposed [K, R]
+            scale = self._scale(_blocks_amax(xc, BLOCK, 1), xc.dtype)
+            out["_columnwise_data"] = transpose_bytes(_scaled(xc, scale, BLOCK, 1, self.fp8_dtype))
+            out["_columnwise_scale_inv"] = nx.reciprocal(scale)
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
+from ..native import transpose_bytes
 from ..errors import FormatError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, fp8_short_name, require_fp8_dtype)
@@ -103,11 +104,10 @@ class _PerTensorFP8:
         return scale, {"_scale_inv": nx.reciprocal(scale).reshape(1)}
 
     def _quantize_rows(self, xc, scale):
-        out = {}
-        if self.rowwise:
-            out["_data"] = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
-        if self.columnwise:  # cast from the transposed input: one fused pass, no second pass over codes
-            out["_transpose"] = nx.scale_and_cast_to_fp8(xc.t(), scale, self.fp8_dtype)
+        codes = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
+        out = {"_data": codes} if self.rowwise else {}
+        if self.columnwise:  # one scale for every element: the transpose is the same codes, moved
+            out["_transpose"] = transpose_bytes(codes)
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
@@ -135,7 +135,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
     def _scale(self, x2, args=None):
-        return nx.scale_from_amax(nx.nan_ignoring_amax(x2), nx.fp8_max(self.fp8_dtype),
+        return nx.scale_from_amax(self._tensor_amax(x2, args), nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,
                                   epsilon=self.amax_epsilon, value_for_inf=nx.FP32_MAX)
 

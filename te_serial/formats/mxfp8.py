@@ -111,32 +111,38 @@ class MXFP8Quantizer(Quantizer):
     def fusable(self) -> bool:
         return True
 
-    def _block_exponents(self, x2: torch.Tensor, usage: str) -> torch.Tensor:
-        """E8M0 exponents of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]."""
+    def _block_exponents(self, x2: torch.Tensor, usage: str, tile: torch.Tensor | None) -> torch.Tensor:
+        """E8M0 exponents of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]; in 2-D
+        mode spread from ``tile``, the 32×32 tiles' exponents."""
         m, k = x2.shape
-        if self.with_2d_quantization:
-            tile = nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
-            e = nx.e8m0_from_amax(tile, self.fp8_dtype)
-            return e.repeat_interleave(BLOCK, dim=0 if usage == ROWWISE else 1)
+        if tile is not None:
+            return tile.repeat_interleave(BLOCK, dim=0 if usage == ROWWISE else 1)
         if usage == ROWWISE:
             return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2), self.fp8_dtype)
         return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1), self.fp8_dtype)
 
     def _quantize_rows(self, xc, state):
         rows, k = xc.shape
+        tile = None
+        if self.with_2d_quantization:
+            amax = nx.nan_ignoring_amax(xc.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
+            tile = nx.e8m0_from_amax(amax, self.fp8_dtype)
         out = {}
         if self.rowwise:
-            e = self._block_exponents(xc, ROWWISE)
+            e = self._block_exponents(xc, ROWWISE, tile)
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK),
                                          nx.per_block(nx.e8m0_quant_scale(e))[..., None], self.fp8_dtype)
             # flatten, not reshape(rows, k): a dynamic-shape graph cannot prove K == K // 32 * 32,
             # and would copy the data once more to get there
             out["_rowwise_data"], out["_rowwise_scale_inv"] = q.flatten(1), e
         if self.columnwise:
-            e = self._block_exponents(xc, COLUMNWISE)
-            q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
-                                         nx.per_block(nx.e8m0_quant_scale(e))[:, None, :], self.fp8_dtype)
-            out["_columnwise_data"], out["_columnwise_scale_inv"] = q.flatten(0, 1), e
+            e = self._block_exponents(xc, COLUMNWISE, tile)
+            if tile is not None and self.rowwise:  # each element has its tile's scale in both: the same codes
+                q = out["_rowwise_data"].clone()
+            else:
+                q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
+                                             nx.per_block(nx.e8m0_quant_scale(e))[:, None, :], self.fp8_dtype).flatten(0, 1)
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = q, e
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
+from ..native import transpose_bytes
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, require_divisible, spread_scales)
 from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
@@ -71,6 +72,16 @@ def global_encode_scale(amax: torch.Tensor, e4m3_max: float = E4M3_MAX) -> torch
 def _e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     """E4M3 block-scale bytes of fp32 ``v`` (a compiled cast returns them FP8-typed: viewed here)."""
     return nx.scale_and_cast_to_fp8(v, None, torch.float8_e4m3fn).view(torch.uint8)
+
+def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of x2 [R, C] (any shape in x2's order) packed two per byte for blocks along ``along``:
+    rowwise (packed [R, C/2], scales as given), or columnwise (packed [C, R/2], scales transposed)."""
+    if along == 1:  # packed per block: a compiled graph has no K == 16 · (K // 16) to prove
+        return nx.pack_fp4(codes).reshape(r, -1), scales
+    # pairs of rows packed within blocks of 16 rows (no modulo in a compiled graph's indexing)
+    packed = nx.pack_fp4(codes.reshape(r // BLOCK, BLOCK, -1), dim=1)
+    return transpose_bytes(packed.reshape(r // 2, -1)), scales.t()
+
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
@@ -246,6 +257,12 @@ class NVFP4Quantizer(Quantizer):
         ``along=0`` (columnwise, blocks down the columns): the same for x2ᵀ, (packed [C, R/2],
         scales [C, R/16]), read in x2's own order and transposed once as codes (a compiled graph
         then loads contiguously; a transposed read of the input ran scalar). ``args``: ``_kernel_args``."""
+        return _packed(*self._block_codes(x2, amax, args, along), along, x2.shape[0])
+
+    def _block_codes(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None,
+                     along: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_encode` before packing: (codes, one byte each, in x2's order as [R, C/16, 16] or
+        [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
         r, c = x2.shape
         bd = 2 if along == 1 else 1                   # the dim of a block's 16 elements
         blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
@@ -267,9 +284,7 @@ class NVFP4Quantizer(Quantizer):
             s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
             codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc).unsqueeze(bd))
-        if along == 1:  # packed per block: a compiled graph has no K == 16 · (K // 16) to prove
-            return nx.pack_fp4(codes).reshape(r, c // 2), s_b
-        return nx.pack_fp4(codes.reshape(r, c), dim=0).t(), s_b.t()
+        return codes, s_b
 
     def _kernel_args(self, device):
         # 4over6 divides by 6 and by 6 · e4m3_max: kernel inputs, so that a compiled graph keeps them
@@ -349,7 +364,7 @@ class NVFP4Quantizer(Quantizer):
     def _prepare(self, x2, args):
         if self.row_scaled_nvfp4:  # compute_rowwise_amax: one amax per row, taken with its rows
             return (None, None, args), {}
-        amax = nx.nan_ignoring_amax(x2)
+        amax = self._tensor_amax(x2, args)
         amax_col = amax
         if self.columnwise and self.with_rht:  # post-RHT amax: a pass of its own over the chunks
             step = max(BLOCK, self.CHUNK_BYTES // (4 * x2.shape[1]) // BLOCK * BLOCK)
@@ -370,6 +385,12 @@ class NVFP4Quantizer(Quantizer):
             amax = nx.nan_ignoring_amax(xc, dim=1)
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
             out["_amax_rowwise"] = amax
+            return out
+        if self.rowwise and self.columnwise and self._usages_transposed():  # one set of codes, packed both ways
+            codes, s_b = self._block_codes(xc, amax, args, along=1)
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = _packed(codes, s_b, 1, xc.shape[0])
+            grid = s_b[::BLOCK].repeat_interleave(BLOCK, dim=1)  # the tiles' scales spread down the columns
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = _packed(codes, grid, 0, xc.shape[0])[0], grid
             return out
         if self.rowwise:
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
