@@ -3,6 +3,7 @@ class, alignment and 1-byte dtype, compiled or not, with its fallbacks."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -100,3 +101,16 @@ def test_refuses_what_is_not_a_2d_byte_array():
         native.transpose_bytes(torch.zeros(4, 4, dtype=torch.float32))
     with pytest.raises(ValueError, match="2-D"):
         native.transpose_bytes(torch.zeros(4, 4, 4, dtype=torch.uint8))
+
+
+
+def test_a_pool_made_by_another_process_is_not_used(monkeypatch):
+    """Worker threads do not survive a fork: a pool recorded under another pid (the parent's) is
+    replaced by one of this process's own, which does the work."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    x = _random_bytes((512, 256), seed=5)
+    assert torch.equal(native.transpose_bytes(x), x.t())
+    parents = native._state["pool"]
+    monkeypatch.setitem(native._state, "pool_pid", -1)
+    assert torch.equal(native.transpose_bytes(x), x.t())
+    assert native._state["pool"] is not parents and native._state["pool_pid"] == os.getpid()

@@ -101,9 +101,11 @@ def available() -> bool:
 
 
 def _pool() -> ThreadPoolExecutor:
+    """This process's worker threads (made again in a forked child, which has none of its parent's)."""
     with _lock:
-        if "pool" not in _state:
+        if _state.get("pool_pid") != os.getpid():
             _state["pool"] = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="te_serial_native")
+            _state["pool_pid"] = os.getpid()
         return _state["pool"]
 
 
