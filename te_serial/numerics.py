@@ -67,20 +67,27 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
 
 
 @torch.library.custom_op("te_serial::per_block", mutates_args=())
-def _per_block(x: torch.Tensor) -> torch.Tensor:
-    return x.clone()
+def _per_block(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
 
 
 @_per_block.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+def per_blocks(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` (per-block scales), computed once per block in a compiled graph: an opaque op that
+    inductor cannot inline, so the scale's dozen integer ops and selects are not redone for every
+    vector of elements in the cast loop (2-4x slower). Scales given together are all ready before
+    any cast that uses them, so the casts can share one loop over the input. The identity, with no
+    copy, when eager."""
+    return tuple(_per_block(list(xs))) if torch.compiler.is_compiling() else xs
 
 
 def per_block(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (per-block scales), computed once per block in a compiled graph: an opaque op that
-    inductor cannot inline, so the scale's dozen integer ops and selects are not redone for every
-    vector of elements in the cast loop (2-4x slower). The identity, with no copy, when eager."""
-    return _per_block(x) if torch.compiler.is_compiling() else x
+    """:func:`per_blocks` of one tensor."""
+    return per_blocks(x)[0]
 
 
 def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,

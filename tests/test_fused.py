@@ -155,14 +155,17 @@ def test_nan_inputs_run_eager_and_infinities_compile():
         for nan in (float("nan"), -float("nan")):
             y = x.clone()
             y.view(-1)[i] = nan
-            assert fused.nan_free_amax(y) is None and fused.nan_free_amax(y.float()) is None
+            assert fused.nan_free_amaxes(y) is None and fused.nan_free_amaxes(y.float()) is None
+            assert fused.nan_free_amaxes(y, 16) is None
             before = fused.compile_count()
             with compiled_only():
                 got = q.quantize(y)
             assert fused.compile_count() == before, "a NaN input reached a compiled graph"
             assert_same_buffers(got.buffers(), q.quantize(y, eager=True).buffers(), f"NaN at {i}")
     inf = make_input("infinities", (256, 384), torch.bfloat16, seed=11)
-    assert fused.nan_free_amax(inf).item() == float("inf") and fused.nan_free_amax(torch.empty(0)) is None
+    assert fused.nan_free_amaxes(inf)[fused.TENSOR_AMAX].item() == float("inf")
+    assert fused.nan_free_amaxes(inf, 16)[fused.TENSOR_AMAX].item() == float("inf")
+    assert fused.nan_free_amaxes(torch.empty(0, 16)) is None
     before = fused.compile_count()
     with compiled_only():
         got = q.quantize(inf)

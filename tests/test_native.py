@@ -114,3 +114,36 @@ def test_a_pool_made_by_another_process_is_not_used(monkeypatch):
     monkeypatch.setitem(native._state, "pool_pid", -1)
     assert torch.equal(native.transpose_bytes(x), x.t())
     assert native._state["pool"] is not parents and native._state["pool_pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,b", [((32, 32), 32), ((64, 96), 32), ((256, 4096), 32), ((48, 160), 16),
+                                     ((128, 384), 128), ((1024, 2048), 32)])
+def test_block_amax_is_torchs_amax_over_the_blocks(dtype, shape, b, monkeypatch):
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # the larger shapes split between threads
+    g = torch.Generator().manual_seed(sum(shape) + b)
+    info = torch.finfo(dtype)
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 16, shape, generator=g).float())).to(dtype)
+    flat = x.view(-1)  # adversarial values where they land in both kinds of blocks
+    specials = [float("inf"), -float("inf"), -0.0, info.tiny / 4, -info.tiny, info.max, -info.max]
+    for i, v in enumerate(specials):
+        flat[(i * 7919) % flat.numel()] = v
+    rows, cols, nan = native.block_amax(x, b)
+    a = x.abs()
+    m, k = shape
+    assert not nan and rows.dtype == cols.dtype == dtype
+    assert torch.equal(rows, a.reshape(m, k // b, b).amax(dim=2))
+    assert torch.equal(cols, a.reshape(m // b, b, k).amax(dim=1))
+    for nan_value in (float("nan"), -float("nan")):
+        y = x.clone()
+        y.view(-1)[-1] = nan_value
+        assert native.block_amax(y, b)[2], "a NaN went unseen"
+
+
+def test_block_amax_declines_what_it_does_not_take():
+    x = torch.ones(64, 64, dtype=torch.bfloat16)
+    assert native.block_amax(x.float(), 32) is None          # 32-bit floats: torch reduces them
+    assert native.block_amax(x[:48], 32) is None             # rows not a multiple of b
+    assert native.block_amax(x[:, :48], 32) is None          # nor columns
+    assert native.block_amax(x.t(), 32) is None              # column-major
+    assert native.block_amax(torch.ones(0, 64, dtype=torch.bfloat16), 32) is None

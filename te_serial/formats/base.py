@@ -47,8 +47,6 @@ __all__ = [
 
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 USAGES = (ROWWISE, COLUMNWISE)
-#: ``_kernel_args`` key of the whole input's amax, when the caller took it already
-_TENSOR_AMAX = "tensor_amax"
 
 
 class BufferSpec(NamedTuple):
@@ -487,8 +485,14 @@ class Quantizer:
     def _tensor_amax(x2: torch.Tensor, args: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         """max|x2| (NaN ignored) as fp32: the one the compiled path took with its NaN check, handed
         in through ``args``, else computed here."""
-        given = (args or {}).get(_TENSOR_AMAX)
+        given = (args or {}).get(fused.TENSOR_AMAX)
         return given if given is not None else nx.nan_ignoring_amax(x2)
+
+    def amax_block(self) -> int | None:
+        """b where this format's numerics take the |x| maxima of 1×b and b×1 blocks: the compiled
+        path then takes them ahead of its graph, with the NaN check, in one pass (``fused``), and
+        hands them to ``_prepare`` in ``args``."""
+        return None
 
     def _prepare(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """Tensor-wide pass over the 2-D input [M, K] before the rows: (state for ``_quantize_rows``,
@@ -557,11 +561,12 @@ class Quantizer:
         specs = self.describe_buffers(shape)
         x2 = x.reshape(m, k)
         args = self._kernel_args(x.device)
-        amax = fused.nan_free_amax(x2) if fused.wants_fused(x.numel(), x.device, self.fusable()) else None
-        if amax is not None:
+        ahead = fused.nan_free_amaxes(x2, self.amax_block()) if fused.wants_fused(x.numel(), x.device,
+                                                                                   self.fusable()) else None
+        if ahead is not None:
             # detach: no view of x, whose strides would be guarded
             got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
-                            self, _blocked(x2.detach(), self.slice_alignment()), {**args, _TENSOR_AMAX: amax})
+                            self, _blocked(x2.detach(), self.slice_alignment()), {**args, **ahead})
             if got is not None:  # FP8 data comes back typed (fast stores): the same bytes, viewed
                 return {n: got[n].view(specs[n].dtype).reshape(specs[n].shape) for n in specs}
         out = {}

@@ -21,7 +21,8 @@ pure functions its eager path runs (``_prepare`` + ``_quantize_rows`` over the w
   on CPU and CUDA; ``"fused"`` compiles whatever the size (tests, benchmarks); ``"eager"`` never.
   ``TE_SERIAL_EAGER=1`` in the environment, ``quantize(x, eager=True)``, ``dequantize(eager=True)``
   or ``with fused.policy("eager")`` force the eager path.
-* **NaN inputs run eager** (:func:`nan_free_amax`, one cheap reduction that also gives the amax): a compiled graph never
+* **NaN inputs run eager** (:func:`nan_free_amaxes`, one cheap pass that also gives the amax, and
+  a format's block maxima where the native kernel takes the input): a compiled graph never
   sees a NaN, so its kernels need no NaN masks or canonicalizing selects, which would stop
   inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
@@ -48,8 +49,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["NUMERICS", "MIN_NUMEL", "EAGER_ENV", "policy", "current_policy", "wants_fused", "nan_free_amax", "run",
-           "compile_count", "failures", "forget_failures"]
+from .. import native
+
+__all__ = ["NUMERICS", "MIN_NUMEL", "EAGER_ENV", "TENSOR_AMAX", "ROW_BLOCK_AMAX", "COL_BLOCK_AMAX", "policy",
+           "current_policy", "wants_fused", "nan_free_amaxes", "run", "compile_count", "failures", "forget_failures"]
 
 EAGER_ENV = "TE_SERIAL_EAGER"
 
@@ -116,17 +119,29 @@ def wants_fused(numel: int, device: torch.device, fusable: bool, eager: bool | N
     return mode == "fused" or (mode == "auto" and numel >= MIN_NUMEL)
 
 
-def nan_free_amax(x: torch.Tensor) -> torch.Tensor | None:
-    """``max|x|`` as a 0-d fp32 tensor where ``x`` holds no NaN, else None (its min or max is NaN:
-    both propagate NaN, infinities do not). One vectorized pass, ~2 ms per 16M BF16 elements on 2
-    cores; the compiled graphs take the amax from it (``Quantizer._tensor_amax``) rather than
-    reading the input once more. None for an empty tensor, which has no amax (it runs eager)."""
+#: keys of what :func:`nan_free_amaxes` took, handed to the compiled graphs with ``_kernel_args``
+TENSOR_AMAX, ROW_BLOCK_AMAX, COL_BLOCK_AMAX = "tensor_amax", "row_block_amax", "col_block_amax"
+
+
+def nan_free_amaxes(x: torch.Tensor, block: int | None = None) -> dict[str, torch.Tensor] | None:
+    """None where the 2-D ``x`` holds a NaN (it runs eager) or is empty; else ``max|x|`` as a 0-d
+    fp32 tensor (:data:`TENSOR_AMAX`), and given a ``block`` b, where the native kernel takes x, the
+    fp32 |x| maxima of its 1×b blocks [M, K/b] and b×1 blocks [M/b, K] (:data:`ROW_BLOCK_AMAX`,
+    :data:`COL_BLOCK_AMAX`). One pass over x either way: the graphs take these rather than reading
+    the input again (``Quantizer._tensor_amax``, the formats' ``_prepare``)."""
     if x.numel() == 0:
         return None
-    lo, hi = torch.aminmax(x)
+    got = native.block_amax(x, block) if block else None
+    if got is not None:
+        rows, cols, nan = got
+        if nan:
+            return None
+        rows = rows.float()
+        return {TENSOR_AMAX: rows.amax(), ROW_BLOCK_AMAX: rows, COL_BLOCK_AMAX: cols.float()}
+    lo, hi = torch.aminmax(x)  # min or max is NaN where any element is (infinities are not)
     if bool(torch.isnan(lo) | torch.isnan(hi)):
         return None
-    return torch.maximum(lo.abs(), hi.abs()).float()
+    return {TENSOR_AMAX: torch.maximum(lo.abs(), hi.abs()).float()}
 
 
 def compile_count() -> int:

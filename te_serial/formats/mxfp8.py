@@ -15,6 +15,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
+from . import fused
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
                    spread_scales)
@@ -111,38 +112,48 @@ class MXFP8Quantizer(Quantizer):
     def fusable(self) -> bool:
         return True
 
-    def _block_exponents(self, x2: torch.Tensor, usage: str, tile: torch.Tensor | None) -> torch.Tensor:
-        """E8M0 exponents of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]; in 2-D
-        mode spread from ``tile``, the 32×32 tiles' exponents."""
-        m, k = x2.shape
-        if tile is not None:
-            return tile.repeat_interleave(BLOCK, dim=0 if usage == ROWWISE else 1)
-        if usage == ROWWISE:
-            return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2), self.fp8_dtype)
-        return nx.e8m0_from_amax(nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1), self.fp8_dtype)
+    def amax_block(self):
+        return BLOCK
 
-    def _quantize_rows(self, xc, state):
+    def _prepare(self, x2, args):
+        rows, cols = args.get(fused.ROW_BLOCK_AMAX), args.get(fused.COL_BLOCK_AMAX)
+        return (None if rows is None else (rows, cols)), {}
+
+    def _block_amax(self, x2: torch.Tensor, usage: str, given: tuple | None) -> torch.Tensor:
+        """|x| maxima of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]; ``given``: both,
+        taken ahead of a compiled graph (``_prepare``)."""
+        if given is not None:
+            return given[0] if usage == ROWWISE else given[1]
+        m, k = x2.shape
+        if usage == ROWWISE:
+            return nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2)
+        return nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1)
+
+    def _quantize_rows(self, xc, given):
         rows, k = xc.shape
-        tile = None
+        tile = None  # 2-D: the 32×32 tiles' exponents, spread to each usage's blocks
         if self.with_2d_quantization:
-            amax = nx.nan_ignoring_amax(xc.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
+            if given is not None:
+                amax = given[0].reshape(rows // BLOCK, BLOCK, k // BLOCK).amax(dim=1)
+            else:
+                amax = nx.nan_ignoring_amax(xc.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
             tile = nx.e8m0_from_amax(amax, self.fp8_dtype)
+        exps = {u: (tile.repeat_interleave(BLOCK, dim=0 if u == ROWWISE else 1) if tile is not None
+                    else nx.e8m0_from_amax(self._block_amax(xc, u, given), self.fp8_dtype)) for u in self.usages_on()}
+        scales = dict(zip(exps, nx.per_blocks(*(nx.e8m0_quant_scale(e) for e in exps.values()))))
         out = {}
         if self.rowwise:
-            e = self._block_exponents(xc, ROWWISE, tile)
-            q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK),
-                                         nx.per_block(nx.e8m0_quant_scale(e))[..., None], self.fp8_dtype)
+            q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK), scales[ROWWISE][..., None], self.fp8_dtype)
             # flatten, not reshape(rows, k): a dynamic-shape graph cannot prove K == K // 32 * 32,
             # and would copy the data once more to get there
-            out["_rowwise_data"], out["_rowwise_scale_inv"] = q.flatten(1), e
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = q.flatten(1), exps[ROWWISE]
         if self.columnwise:
-            e = self._block_exponents(xc, COLUMNWISE, tile)
             if tile is not None and self.rowwise:  # each element has its tile's scale in both: the same codes
                 q = out["_rowwise_data"].clone()
             else:
-                q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k),
-                                             nx.per_block(nx.e8m0_quant_scale(e))[:, None, :], self.fp8_dtype).flatten(0, 1)
-            out["_columnwise_data"], out["_columnwise_scale_inv"] = q, e
+                q = nx.scale_and_cast_to_fp8(xc.reshape(rows // BLOCK, BLOCK, k), scales[COLUMNWISE][:, None, :],
+                                             self.fp8_dtype).flatten(0, 1)
+            out["_columnwise_data"], out["_columnwise_scale_inv"] = q, exps[COLUMNWISE]
         return out
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:

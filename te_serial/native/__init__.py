@@ -1,17 +1,21 @@
-"""Native byte kernels: a small C library built on first use, with torch fallbacks.
+"""Native kernels: a small C library built on first use, with torch fallbacks.
 
-Only layout moves live here, never a format's numerics: :func:`transpose_bytes` gives a 2-D array
-of 1-byte codes transposed, the same bytes, which is how the formats derive columnwise codes from
-codes computed in row order (``formats/``). torch's copy of a transposed uint8 view and inductor's
-transposed stores run at 0.5-1 GB/s on a 2-core VM; the C kernel (``transpose.c``) runs near
-``memcpy`` speed.
+Nothing here rounds, so no format's numerics live here; only what moves or compares bits:
+
+* :func:`transpose_bytes` gives a 2-D array of 1-byte codes transposed, the same bytes: how the
+  formats derive columnwise codes from codes computed in row order (``formats/``). torch's copy of a
+  transposed uint8 view and inductor's transposed stores run at 0.5-1 GB/s on a 2-core VM; the C
+  kernel runs near ``memcpy`` speed.
+* :func:`block_amax` takes the |x| maxima of a BF16 / FP16 array's 1×b and b×1 blocks and spots
+  NaN in one read (|x| of a sign-magnitude float orders as its bits without the sign), where the
+  compiled graphs and the NaN check read the input three times.
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
 package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. The
 shared object is cached per source, compiler and machine under :func:`cache_dir`; where it cannot
 be built or loaded (no compiler, a read-only home) one warning says why and torch's transpose runs.
-``TE_SERIAL_NATIVE=0`` skips it. The kernel is exact by construction (it moves bytes); the tests
-hold it to ``x.t().contiguous()`` on every shape class and alignment.
+``TE_SERIAL_NATIVE=0`` skips it. The kernels are exact by construction (they move and compare
+bits); the tests hold them to torch's transpose and amax on every shape class and alignment.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "available", "cache_dir"]
+__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -65,7 +69,7 @@ def _build(source: bytes) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, lib = Path(tmp) / "transpose.c", Path(tmp) / "lib.so"
+        src, lib = Path(tmp) / "kernels.c", Path(tmp) / "lib.so"
         src.write_bytes(source)
         proc = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
@@ -81,11 +85,13 @@ def _library() -> ctypes.CDLL | None:
     with _lock:
         if "lib" not in _state:
             try:
-                source = resources.files(__name__).joinpath("transpose.c").read_bytes()
+                source = resources.files(__name__).joinpath("kernels.c").read_bytes()
                 lib = ctypes.CDLL(str(_build(source)))
-                fn = lib.te_serial_transpose_u8
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                fn.restype = None
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                lib.te_serial_transpose_u8.argtypes = [ptr, ptr] + [i64] * 5
+                lib.te_serial_transpose_u8.restype = None
+                lib.te_serial_block_amax_u16.argtypes = [ptr, i64, i64, i64, ctypes.c_uint16, ptr, ptr, i64, i64]
+                lib.te_serial_block_amax_u16.restype = ctypes.c_int
                 _state["lib"] = lib
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -109,20 +115,22 @@ def _pool() -> ThreadPoolExecutor:
         return _state["pool"]
 
 
+def _by_rows(fn, x: torch.Tensor, unit: int, *args) -> list:
+    """``fn(*args, r0, r1)`` over x's rows: split between the pool's threads in multiples of ``unit``
+    rows where x is large enough (ctypes releases the GIL during each call), else in this thread."""
+    rows = x.shape[0]
+    parts = min(torch.get_num_threads(), max(1, x.numel() * x.element_size() // _SPLIT_BYTES), max(1, rows // unit))
+    if parts == 1:
+        return [fn(*args, 0, rows)]
+    step = -(-rows // parts // unit) * unit
+    return [f.result() for f in [_pool().submit(fn, *args, r, min(rows, r + step)) for r in range(0, rows, step)]]
+
+
 def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.empty((cols, rows), dtype=x.dtype)
-    if x.numel() == 0:
-        return y
-    fn, src, dst, ss = lib.te_serial_transpose_u8, x.data_ptr(), y.data_ptr(), x.stride(0)
-    parts = min(torch.get_num_threads(), max(1, x.numel() // _SPLIT_BYTES), max(1, rows // _STRIPE))
-    if parts == 1:
-        fn(src, dst, cols, ss, rows, 0, rows)
-        return y
-    step = -(-rows // parts // _STRIPE) * _STRIPE
-    # ctypes releases the GIL during the call: the row ranges run in parallel
-    for f in [_pool().submit(fn, src, dst, cols, ss, rows, r, min(rows, r + step)) for r in range(0, rows, step)]:
-        f.result()
+    if x.numel():
+        _by_rows(lib.te_serial_transpose_u8, x, _STRIPE, x.data_ptr(), y.data_ptr(), cols, x.stride(0), rows)
     return y
 
 
@@ -147,3 +155,26 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.element_size() != 1:
         raise ValueError(f"transpose_bytes needs a 2-D tensor of 1-byte elements, got {x.dtype} {tuple(x.shape)}")
     return _transpose_bytes(x)
+
+
+#: magnitude bits of +inf per 16-bit float type: anything above is a NaN
+_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """The |x| maxima of a 2-D BF16 / FP16 ``x`` [M, K] over its 1×b blocks ([M, K/b]) and b×1 blocks
+    ([M/b, K]), in x's dtype, and whether x holds a NaN (the maxima then mean nothing), from one pass.
+    None where the C kernel does not apply: not built, another dtype or device, a row stride other
+    than 1, M or K not a multiple of b, or no element."""
+    inf_bits = _INF_BITS.get(x.dtype)
+    if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
+            or x.shape[0] % b or x.shape[1] % b or torch.compiler.is_compiling()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    (m, k), u16 = x.shape, torch.uint16
+    rows, cols = torch.empty((m, k // b), dtype=u16), torch.empty((m // b, k), dtype=u16)
+    flags = _by_rows(lib.te_serial_block_amax_u16, x, b, x.data_ptr(), k, x.stride(0), b, inf_bits,
+                     rows.data_ptr(), cols.data_ptr())
+    return rows.view(x.dtype), cols.view(x.dtype), any(flags)

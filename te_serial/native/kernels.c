@@ -1,4 +1,4 @@
-/* te-serial's byte transpose: dst[j][i] = src[i][j] for a 2-D array of 1-byte codes.
+/* te-serial's native kernels. First, the byte transpose: dst[j][i] = src[i][j] for a 2-D array of 1-byte codes.
  *
  * Columnwise codes of several formats are the rowwise codes (or codes computed in row order)
  * transposed. torch's own copy of a transposed uint8 view, and inductor's transposed stores, move
@@ -61,4 +61,32 @@ void te_serial_transpose_u8(const uint8_t *src, uint8_t *dst, int64_t cols, int6
     _mm_sfence();  /* the streamed lines are visible before the caller reads dst */
 #endif
     transpose_scalar(src, dst, ss, ds, i, r1, 0, cols);
+}
+
+/* |x| maxima of a 16-bit float array (bf16 or fp16, sign-magnitude: |x| orders as bits & 0x7FFF)
+ * over 1 x b blocks (row_out [rows, cols / b]) and b x 1 blocks (col_out [rows / b, cols]), rows
+ * [r0, r1) only, r0 and r1 multiples of b, cols a multiple of b. Returns whether any element is
+ * a NaN (magnitude bits above `inf_bits`); the maxima are then meaningless. One pass, read once. */
+int te_serial_block_amax_u16(const uint16_t *x, int64_t cols, int64_t ss, int64_t b, uint16_t inf_bits,
+                             uint16_t *row_out, uint16_t *col_out, int64_t r0, int64_t r1) {
+    uint16_t nan_or = 0;
+    for (int64_t i = r0; i < r1; i += b) {
+        uint16_t *colmax = col_out + (i / b) * cols;
+        for (int64_t j = 0; j < cols; j++) colmax[j] = 0;
+        for (int64_t r = i; r < i + b; r++) {
+            const uint16_t *p = x + r * ss;
+            uint16_t *rowmax = row_out + r * (cols / b);
+            for (int64_t j = 0; j < cols; j += b) {
+                uint16_t m = 0;
+                for (int64_t t = j; t < j + b; t++) {
+                    uint16_t a = p[t] & 0x7FFF;
+                    nan_or |= (uint16_t)(a > inf_bits);
+                    m = a > m ? a : m;
+                    colmax[t] = a > colmax[t] ? a : colmax[t];
+                }
+                rowmax[j / b] = m;
+            }
+        }
+    }
+    return nan_or != 0;
 }
