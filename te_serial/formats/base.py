@@ -89,6 +89,25 @@ class UsageLayout(NamedTuple):
         return self.tile or self.grid
 
 
+class BlockAmax(NamedTuple):
+    """|x| maxima (fp32) taken ahead of a compiled graph with its NaN check (``fused.nan_free_amaxes``):
+    of the 1×b blocks ([M, K/b]) and the b×1 blocks ([M/b, K]) of the 2-D input."""
+    rows: torch.Tensor
+    cols: torch.Tensor
+    b: int
+
+    def of(self, rows: int, cols: int) -> torch.Tensor:
+        """The maxima of the (1 × b), (b × 1) or (b × b) blocks."""
+        if (rows, cols) == (1, self.b):
+            return self.rows
+        if (rows, cols) == (self.b, 1):
+            return self.cols
+        if (rows, cols) != (self.b, self.b):
+            raise ValueError(f"no maxima of {rows}x{cols} blocks from {self.b}-element ones")
+        m, kb = self.rows.shape
+        return self.rows.reshape(m // self.b, self.b, kb).amax(dim=1)
+
+
 class StorageMeta(NamedTuple):
     """The non-tensor half of ``__tensor_flatten__``: everything unflatten needs besides buffers."""
 
@@ -491,8 +510,14 @@ class Quantizer:
     def amax_block(self) -> int | None:
         """b where this format's numerics take the |x| maxima of 1×b and b×1 blocks: the compiled
         path then takes them ahead of its graph, with the NaN check, in one pass (``fused``), and
-        hands them to ``_prepare`` in ``args``."""
+        hands them to ``_prepare`` in ``args`` (:meth:`_given_amax`)."""
         return None
+
+    def _given_amax(self, args: Mapping[str, torch.Tensor] | None) -> BlockAmax | None:
+        """The block maxima in ``args``, where the compiled path took them (else None: the format
+        reduces its blocks itself)."""
+        rows = (args or {}).get(fused.ROW_BLOCK_AMAX)
+        return None if rows is None else BlockAmax(rows, args[fused.COL_BLOCK_AMAX], self.amax_block())
 
     def _prepare(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """Tensor-wide pass over the 2-D input [M, K] before the rows: (state for ``_quantize_rows``,

@@ -144,10 +144,19 @@ class Float8BlockQuantizer(Quantizer):
     def fusable(self) -> bool:
         return True
 
-    def _quantize_rows(self, xc, state):
+    def amax_block(self):
+        return BLOCK
+
+    def _prepare(self, x2, args):
+        return self._given_amax(args), {}
+
+    def _quantize_rows(self, xc, given):
+        def amax(rows: int, cols: int) -> torch.Tensor:  # taken ahead of a compiled graph where given
+            return given.of(rows, cols) if given is not None else _blocks_amax(xc, rows, cols)
+
         out = {}
         if self.block_scaling_dim == 2:  # one tile grid for both usages: the columnwise codes are the rowwise ones
-            scale = self._scale(_blocks_amax(xc, BLOCK, BLOCK), xc.dtype)
+            scale = self._scale(amax(BLOCK, BLOCK), xc.dtype)
             codes, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
             if self.rowwise:
                 out["_rowwise_data"], out["_rowwise_scale_inv"] = codes, scale_inv
@@ -155,11 +164,11 @@ class Float8BlockQuantizer(Quantizer):
                 out["_columnwise_data"], out["_columnwise_scale_inv"] = transpose_bytes(codes), scale_inv
             return out
         if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
-            scale = self._scale(_blocks_amax(xc, 1, BLOCK), xc.dtype)
+            scale = self._scale(amax(1, BLOCK), xc.dtype)
             out["_rowwise_data"] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
             out["_rowwise_scale_inv"] = nx.reciprocal(scale)
         if self.columnwise:  # 128×1 along M, grid [ceil(R/128), K]: codes in row order, then transposed [K, R]
-            scale = self._scale(_blocks_amax(xc, BLOCK, 1), xc.dtype)
+            scale = self._scale(amax(BLOCK, 1), xc.dtype)
             out["_columnwise_data"] = transpose_bytes(_scaled(xc, scale, BLOCK, 1, self.fp8_dtype))
             out["_columnwise_scale_inv"] = nx.reciprocal(scale)
         return out

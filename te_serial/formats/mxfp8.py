@@ -16,7 +16,7 @@ import torch
 
 from .. import numerics as nx
 from . import fused
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
                    spread_scales)
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
@@ -116,14 +116,12 @@ class MXFP8Quantizer(Quantizer):
         return BLOCK
 
     def _prepare(self, x2, args):
-        rows, cols = args.get(fused.ROW_BLOCK_AMAX), args.get(fused.COL_BLOCK_AMAX)
-        return (None if rows is None else (rows, cols)), {}
+        return self._given_amax(args), {}
 
-    def _block_amax(self, x2: torch.Tensor, usage: str, given: tuple | None) -> torch.Tensor:
-        """|x| maxima of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]; ``given``: both,
-        taken ahead of a compiled graph (``_prepare``)."""
+    def _block_amax(self, x2: torch.Tensor, usage: str, given: BlockAmax | None) -> torch.Tensor:
+        """|x| maxima of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]."""
         if given is not None:
-            return given[0] if usage == ROWWISE else given[1]
+            return given.of(*self.usage_layout(usage).grid)
         m, k = x2.shape
         if usage == ROWWISE:
             return nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2)
@@ -134,7 +132,7 @@ class MXFP8Quantizer(Quantizer):
         tile = None  # 2-D: the 32×32 tiles' exponents, spread to each usage's blocks
         if self.with_2d_quantization:
             if given is not None:
-                amax = given[0].reshape(rows // BLOCK, BLOCK, k // BLOCK).amax(dim=1)
+                amax = given.of(BLOCK, BLOCK)
             else:
                 amax = nx.nan_ignoring_amax(xc.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
             tile = nx.e8m0_from_amax(amax, self.fp8_dtype)

@@ -29,7 +29,7 @@ import torch
 from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
 from ..native import transpose_bytes
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, require_divisible, spread_scales)
 from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
 
@@ -251,24 +251,28 @@ class NVFP4Quantizer(Quantizer):
         return self.relayout(buffers, shape, out, usage, src, grid)
 
     def _encode(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None = None,
-                along: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                along: int = 1, given: BlockAmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize x2 [R, C] in blocks of 16 along dim ``along`` with the tensor amax (row-scaled:
         one per row, [R]). ``along=1`` (rowwise): (packed data [R, C/2], scales [R, C/16]);
         ``along=0`` (columnwise, blocks down the columns): the same for x2ᵀ, (packed [C, R/2],
         scales [C, R/16]), read in x2's own order and transposed once as codes (a compiled graph
-        then loads contiguously; a transposed read of the input ran scalar). ``args``: ``_kernel_args``."""
-        return _packed(*self._block_codes(x2, amax, args, along), along, x2.shape[0])
+        then loads contiguously; a transposed read of the input ran scalar). ``args``: ``_kernel_args``;
+        ``given``: x2's block maxima, taken ahead of a compiled graph."""
+        return _packed(*self._block_codes(x2, amax, args, along, given), along, x2.shape[0])
 
     def _block_codes(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None,
-                     along: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     along: int, given: BlockAmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_encode` before packing: (codes, one byte each, in x2's order as [R, C/16, 16] or
         [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
         r, c = x2.shape
         bd = 2 if along == 1 else 1                   # the dim of a block's 16 elements
         blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
         if self.with_2d_quantization:
-            tile = nx.nan_ignoring_amax(x2.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK), dim=(1, 3))
+            tile = (given.of(BLOCK, BLOCK) if given is not None
+                    else nx.nan_ignoring_amax(x2.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK), dim=(1, 3)))
             block_amax = tile.repeat_interleave(BLOCK, dim=1 - along)
+        elif given is not None:
+            block_amax = given.of(1, BLOCK) if along == 1 else given.of(BLOCK, 1)
         else:
             block_amax = nx.nan_ignoring_amax(blocks, dim=bd)
         amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row (rowwise only)
@@ -361,9 +365,13 @@ class NVFP4Quantizer(Quantizer):
         # the RHT's float64 sums and their double rounding (fp64 → fp32 → bf16) stay eager
         return not (self.with_rht and self.columnwise)
 
+    def amax_block(self):
+        return BLOCK
+
     def _prepare(self, x2, args):
+        given = self._given_amax(args)  # x2's block maxima, where the compiled path took them
         if self.row_scaled_nvfp4:  # compute_rowwise_amax: one amax per row, taken with its rows
-            return (None, None, args), {}
+            return (None, None, args, given), {}
         amax = self._tensor_amax(x2, args)
         amax_col = amax
         if self.columnwise and self.with_rht:  # post-RHT amax: a pass of its own over the chunks
@@ -376,29 +384,29 @@ class NVFP4Quantizer(Quantizer):
             whole["_amax_rowwise"] = amax.reshape(1)
         if self.columnwise:
             whole["_amax_columnwise"] = amax_col.reshape(1)
-        return (amax, amax_col, args), whole
+        return (amax, amax_col, args, given), whole
 
     def _quantize_rows(self, xc, state):
-        amax, amax_col, args = state
+        amax, amax_col, args, given = state
         out = {}
         if self.row_scaled_nvfp4:  # rowwise only; each row's amax is its global amax
             amax = nx.nan_ignoring_amax(xc, dim=1)
-            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
             out["_amax_rowwise"] = amax
             return out
         if self.rowwise and self.columnwise and self._usages_transposed():  # one set of codes, packed both ways
-            codes, s_b = self._block_codes(xc, amax, args, along=1)
+            codes, s_b = self._block_codes(xc, amax, args, 1, given)
             out["_rowwise_data"], out["_rowwise_scale_inv"] = _packed(codes, s_b, 1, xc.shape[0])
             grid = s_b[::BLOCK].repeat_interleave(BLOCK, dim=1)  # the tiles' scales spread down the columns
             out["_columnwise_data"], out["_columnwise_scale_inv"] = _packed(codes, grid, 0, xc.shape[0])[0], grid
             return out
         if self.rowwise:
-            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args)
+            out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
         if self.columnwise:
             if self.with_rht:  # the transform mixes 16 elements of a column: on the transposed copy
                 data, s_b = self._encode(self._rht(xc.t().contiguous()), amax_col, args)
             else:
-                data, s_b = self._encode(xc, amax_col, args, along=0)
+                data, s_b = self._encode(xc, amax_col, args, along=0, given=given)
             out["_columnwise_data"], out["_columnwise_scale_inv"] = data, s_b.t()  # grid [R / 16, K]
         return out
 
