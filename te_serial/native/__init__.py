@@ -39,9 +39,9 @@ __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "availabl
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 
-#: below this many bytes one thread transposes (handing work to the pool costs ~50 µs)
+#: below this many bytes of input the calling thread does the work alone (the pool costs ~50 µs)
 _SPLIT_BYTES = 1 << 20
-#: a thread's share of rows is a multiple of the kernel's stripe
+#: the transpose's rows per stripe: a thread's share of rows is a multiple of it
 _STRIPE = 64
 _FLAGS = ("-O3", "-shared", "-fPIC")
 
@@ -95,7 +95,7 @@ def _library() -> ctypes.CDLL | None:
                 _state["lib"] = lib
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
-                warnings.warn(f"te_serial: native byte kernels unavailable ({e}); torch's transpose runs "
+                warnings.warn(f"te_serial: native byte kernels unavailable ({e}); torch's own ops run "
                               f"instead, slower. Set {NATIVE_ENV}=0 to skip building them", RuntimeWarning,
                               stacklevel=4)
         return _state["lib"]
