@@ -73,6 +73,7 @@ def _e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     """E4M3 block-scale bytes of fp32 ``v`` (a compiled cast returns them FP8-typed: viewed here)."""
     return nx.scale_and_cast_to_fp8(v, None, torch.float8_e4m3fn).view(torch.uint8)
 
+
 def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of x2 [R, C] (any shape in x2's order) packed two per byte for blocks along ``along``:
     rowwise (packed [R, C/2], scales as given), or columnwise (packed [C, R/2], scales transposed)."""
@@ -390,7 +391,7 @@ class NVFP4Quantizer(Quantizer):
         amax, amax_col, args, given = state
         out = {}
         if self.row_scaled_nvfp4:  # rowwise only; each row's amax is its global amax
-            amax = nx.nan_ignoring_amax(xc, dim=1)
+            amax = given.rows.amax(dim=1) if given is not None else nx.nan_ignoring_amax(xc, dim=1)
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
             out["_amax_rowwise"] = amax
             return out
