@@ -15,7 +15,6 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from . import fused
 from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
                    spread_scales)
@@ -141,7 +140,8 @@ class MXFP8Quantizer(Quantizer):
         scales = dict(zip(exps, nx.per_blocks(*(nx.e8m0_quant_scale(e) for e in exps.values()))))
         out = {}
         if self.rowwise:
-            q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK), scales[ROWWISE][..., None], self.fp8_dtype)
+            q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK), scales[ROWWISE][..., None],
+                                         self.fp8_dtype)
             # flatten, not reshape(rows, k): a dynamic-shape graph cannot prove K == K // 32 * 32,
             # and would copy the data once more to get there
             out["_rowwise_data"], out["_rowwise_scale_inv"] = q.flatten(1), exps[ROWWISE]
