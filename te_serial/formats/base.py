@@ -108,6 +108,18 @@ class BlockAmax(NamedTuple):
         return self.rows.reshape(m // self.b, self.b, kb).amax(dim=1)
 
 
+def blocks_amax(x2: torch.Tensor, rows: int, cols: int, given: BlockAmax | None = None) -> torch.Tensor:
+    """|x| maxima (fp32, NaN ignored) of the (rows × cols) blocks of a 2-D tensor,
+    [ceil(M/rows), ceil(K/cols)], edge blocks over the elements that exist; from ``given`` where the
+    compiled path took them ahead of its graph."""
+    if given is not None:
+        return given.of(rows, cols)
+    m, k = x2.shape
+    mb, kb = nx.ceil_div(m, rows), nx.ceil_div(k, cols)
+    padded = nx.pad_to(x2, (mb * rows, kb * cols))  # zero padding never raises an amax
+    return nx.nan_ignoring_amax(padded.reshape(mb, rows, kb, cols), dim=(1, 3))
+
+
 class StorageMeta(NamedTuple):
     """The non-tensor half of ``__tensor_flatten__``: everything unflatten needs besides buffers."""
 

@@ -18,7 +18,7 @@ from .. import numerics as nx
 from ..errors import FormatError
 from ..native import transpose_bytes
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
+                   UsageLayout, blocks_amax, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
 BLOCK = 128
@@ -30,14 +30,6 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
 
 class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """Blockwise FP8 tensor (TE's ``Float8BlockwiseQTensor``)."""
-
-
-def _blocks_amax(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """amax per (rows × cols) block of a 2-D tensor, edge blocks over existing elements only."""
-    m, k = x2.shape
-    mb, kb = nx.ceil_div(m, rows), nx.ceil_div(k, cols)
-    padded = nx.pad_to(x2, (mb * rows, kb * cols))  # zero padding never raises an amax
-    return nx.nan_ignoring_amax(padded.reshape(mb, rows, kb, cols), dim=(1, 3))
 
 
 def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
@@ -151,12 +143,9 @@ class Float8BlockQuantizer(Quantizer):
         return self._given_amax(args), {}
 
     def _quantize_rows(self, xc, given):
-        def amax(rows: int, cols: int) -> torch.Tensor:  # taken ahead of a compiled graph where given
-            return given.of(rows, cols) if given is not None else _blocks_amax(xc, rows, cols)
-
         out = {}
         if self.block_scaling_dim == 2:  # one tile grid for both usages: the columnwise codes are the rowwise ones
-            scale = self._scale(amax(BLOCK, BLOCK), xc.dtype)
+            scale = self._scale(blocks_amax(xc, BLOCK, BLOCK, given), xc.dtype)
             codes, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
             if self.rowwise:
                 out["_rowwise_data"], out["_rowwise_scale_inv"] = codes, scale_inv
@@ -164,11 +153,11 @@ class Float8BlockQuantizer(Quantizer):
                 out["_columnwise_data"], out["_columnwise_scale_inv"] = transpose_bytes(codes), scale_inv
             return out
         if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
-            scale = self._scale(amax(1, BLOCK), xc.dtype)
+            scale = self._scale(blocks_amax(xc, 1, BLOCK, given), xc.dtype)
             out["_rowwise_data"] = _scaled(xc, scale, 1, BLOCK, self.fp8_dtype)
             out["_rowwise_scale_inv"] = nx.reciprocal(scale)
         if self.columnwise:  # 128×1 along M, grid [ceil(R/128), K]: codes in row order, then transposed [K, R]
-            scale = self._scale(amax(BLOCK, 1), xc.dtype)
+            scale = self._scale(blocks_amax(xc, BLOCK, 1, given), xc.dtype)
             out["_columnwise_data"] = transpose_bytes(_scaled(xc, scale, BLOCK, 1, self.fp8_dtype))
             out["_columnwise_scale_inv"] = nx.reciprocal(scale)
         return out

@@ -15,8 +15,8 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
+from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                   UsageLayout, blocks_amax, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
                    spread_scales)
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
@@ -117,26 +117,14 @@ class MXFP8Quantizer(Quantizer):
     def _prepare(self, x2, args):
         return self._given_amax(args), {}
 
-    def _block_amax(self, x2: torch.Tensor, usage: str, given: BlockAmax | None) -> torch.Tensor:
-        """|x| maxima of ``usage``'s blocks: rowwise [M, K/32], columnwise [M/32, K]."""
-        if given is not None:
-            return given.of(*self.usage_layout(usage).grid)
-        m, k = x2.shape
-        if usage == ROWWISE:
-            return nx.nan_ignoring_amax(x2.reshape(m, k // BLOCK, BLOCK), dim=2)
-        return nx.nan_ignoring_amax(x2.reshape(m // BLOCK, BLOCK, k), dim=1)
-
     def _quantize_rows(self, xc, given):
         rows, k = xc.shape
         tile = None  # 2-D: the 32×32 tiles' exponents, spread to each usage's blocks
         if self.with_2d_quantization:
-            if given is not None:
-                amax = given.of(BLOCK, BLOCK)
-            else:
-                amax = nx.nan_ignoring_amax(xc.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK), dim=(1, 3))
-            tile = nx.e8m0_from_amax(amax, self.fp8_dtype)
+            tile = nx.e8m0_from_amax(blocks_amax(xc, BLOCK, BLOCK, given), self.fp8_dtype)
         exps = {u: (tile.repeat_interleave(BLOCK, dim=0 if u == ROWWISE else 1) if tile is not None
-                    else nx.e8m0_from_amax(self._block_amax(xc, u, given), self.fp8_dtype)) for u in self.usages_on()}
+                    else nx.e8m0_from_amax(blocks_amax(xc, *self.usage_layout(u).grid, given), self.fp8_dtype))
+                for u in self.usages_on()}
         scales = dict(zip(exps, nx.per_blocks(*(nx.e8m0_quant_scale(e) for e in exps.values()))))
         out = {}
         if self.rowwise:

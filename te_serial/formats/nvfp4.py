@@ -30,7 +30,7 @@ from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
 from ..native import transpose_bytes
 from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, flatten_2d, require_divisible, spread_scales)
+                   UsageLayout, blocks_amax, flatten_2d, require_divisible, spread_scales)
 from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
 
 BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)
@@ -269,13 +269,9 @@ class NVFP4Quantizer(Quantizer):
         bd = 2 if along == 1 else 1                   # the dim of a block's 16 elements
         blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
         if self.with_2d_quantization:
-            tile = (given.of(BLOCK, BLOCK) if given is not None
-                    else nx.nan_ignoring_amax(x2.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK), dim=(1, 3)))
-            block_amax = tile.repeat_interleave(BLOCK, dim=1 - along)
-        elif given is not None:
-            block_amax = given.of(1, BLOCK) if along == 1 else given.of(BLOCK, 1)
+            block_amax = blocks_amax(x2, BLOCK, BLOCK, given).repeat_interleave(BLOCK, dim=1 - along)
         else:
-            block_amax = nx.nan_ignoring_amax(blocks, dim=bd)
+            block_amax = blocks_amax(x2, 1, BLOCK, given) if along == 1 else blocks_amax(x2, BLOCK, 1, given)
         amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row (rowwise only)
         s_enc = global_encode_scale(amax, self.nvfp4_e4m3_max)
         if self.nvfp4_use_4over6:
