@@ -54,8 +54,44 @@ def test_pipeline_keeps_order_and_runs_stages_on_their_threads():
         assert order.index(("read", i)) > order.index(("compute", i - 2))
 
 
+def test_pipeline_computes_on_while_writes_within_the_budget_wait():
+    """A slow write of a large item does not stall the compute of the small ones after it, as
+    long as the results waiting for the writer stay within the byte budget; beyond it, compute waits."""
+    release = threading.Event()
+    computed, written = [], []
+    sizes = {0: 100, 1: 10, 2: 10, 3: 10, 4: 100}
+
+    def compute(i, d):
+        computed.append(i)
+        if i == 3:
+            release.set()  # items 1-3 were computed while item 0's write waited
+        return d
+
+    def write(i, r):
+        if i == 0:
+            assert release.wait(10), "compute stalled behind the first write"
+        written.append(i)
+
+    run_pipeline(list(range(5)), lambda i: i, compute, write, size=sizes.__getitem__, write_budget=200)
+    assert written == list(range(5)) and computed == list(range(5))
+
+    # without room in the budget, compute waits for the write in flight: never two results pending
+    pending = []
+
+    def compute2(i, d):
+        pending.append(i)
+        assert len(pending) - len(written2) <= 2  # the write in flight and this result
+        return d
+
+    written2 = []
+    run_pipeline(list(range(6)), lambda i: i, compute2, lambda i, r: written2.append(i),
+                 size=lambda i: 100, write_budget=100)
+    assert written2 == list(range(6))
+
+
+@pytest.mark.parametrize("budget", [0, 10**9])
 @pytest.mark.parametrize("stage", ["read", "compute", "write"])
-def test_pipeline_raises_the_first_error_after_both_threads_stop(stage):
+def test_pipeline_raises_the_first_error_after_both_threads_stop(stage, budget):
     written = []
 
     def fail_at(s, i):
@@ -75,7 +111,7 @@ def test_pipeline_raises_the_first_error_after_both_threads_stop(stage):
         written.append(i)
 
     with pytest.raises(ValueError, match=f"{stage} 3"):
-        run_pipeline(list(range(8)), read, compute, write)
+        run_pipeline(list(range(8)), read, compute, write, size=lambda i: 1, write_budget=budget)
     assert [t.name for t in threading.enumerate() if t.name.startswith("te-serial-")] == []
     assert written == [0, 1, 2]       # nothing after the failure is written
 

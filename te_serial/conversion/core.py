@@ -621,7 +621,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                 _guarded(source, plan, check)
 
         try:
-            run_pipeline([p for p in plans if p.alias_of is None], read, compute, write)
+            items = [p for p in plans if p.alias_of is None]
+            run_pipeline(items, read, compute, write, size=_output_bytes,
+                         write_budget=2 * max(map(_output_bytes, items), default=0))
             for plan in plans:
                 if plan.alias_of is not None:
                     st, ref = plan.src, reports.get(plan.alias_of)
@@ -665,6 +667,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     if report is not None:
         rep.save(report)
     return rep
+
+
+def _output_bytes(plan: TensorPlan) -> int:
+    """The bytes a plan's output buffers hold (what its result keeps alive until written)."""
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan.keys)
 
 
 def tensor_plan(st: SourceTensor, step: Step, family: str = "te") -> TensorPlan:
