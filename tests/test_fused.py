@@ -41,6 +41,9 @@ CI_SET = [
     # 2-D tiles, both usages: the columnwise codes are the rowwise ones (copied or repacked), cast once
     ("mxfp8-torch.float8_e4m3fn-2d=True", "both", torch.bfloat16),
     ("nvfp4-2d=True", "both", torch.bfloat16),
+    # E5M2 from 16-bit inputs: the graphs' cast is the native C loop (te_serial.native.scale_cast_fp8)
+    ("mxfp8-torch.float8_e5m2-2d=False", "both", torch.float16),
+    ("block1d-torch.float8_e5m2-pow2=False", "both", torch.bfloat16),
 ]
 
 

@@ -1,5 +1,7 @@
-"""The native byte transpose (te_serial/native): the same bytes as torch's transpose on every shape
-class, alignment and 1-byte dtype, compiled or not, with its fallbacks."""
+"""The native kernels (te_serial/native): the byte transpose gives torch's transpose on every shape
+class, alignment and 1-byte dtype, compiled or not, with its fallbacks; the block maxima give torch's
+amax; the FP8 cast gives torch's conversion (the eager path's) on every input bit pattern class,
+every FP8 rounding tie and every scale layout the formats use."""
 
 from __future__ import annotations
 
@@ -147,3 +149,138 @@ def test_block_amax_declines_what_it_does_not_take():
     assert native.block_amax(x[:, :48], 32) is None          # nor columns
     assert native.block_amax(x.t(), 32) is None              # column-major
     assert native.block_amax(torch.ones(0, 64, dtype=torch.bfloat16), 32) is None
+
+
+# --- the FP8 cast ----------------------------------------------------------------------------------
+
+from te_serial import numerics as nx  # noqa: E402 - the eager rule the C cast must equal
+from te_serial.formats import fused  # noqa: E402
+
+FP8_TYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _eager_codes(x, scale, fp8_dtype):
+    """The eager path's codes: torch's fp32 product, clamp and conversion, NaN canonicalized."""
+    return nx.scale_and_cast_to_fp8(x, scale, fp8_dtype)
+
+
+def _native_codes(x, scale, fp8_dtype):
+    return native.scale_cast_fp8(x, scale, fp8_dtype).view(torch.uint8)
+
+
+def _ties(fp8_dtype):
+    """fp32 values on and around every rounding boundary of ``fp8_dtype``: each code's value, the
+    midpoints between neighbours (ties, even and odd), their fp32 neighbours, both signs."""
+    codes = torch.arange(0, 0x80, dtype=torch.uint8).view(fp8_dtype).float()
+    vals = codes[torch.isfinite(codes)].unique()
+    mids = (vals[:-1] + vals[1:]) / 2                      # exact in fp32
+    pts = torch.cat([vals, mids, vals * 1.0000001, mids.nextafter(torch.tensor(0.0)),
+                     mids.nextafter(torch.tensor(float("inf"))), vals[-1:] * 1.01, vals[-1:] * 2])
+    return torch.cat([pts, -pts])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+@pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
+def test_cast_every_bf16_and_fp16_pattern_at_many_scales(fp8_dtype, monkeypatch):
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # split between threads too
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+        for scale in [1.0, 0.37, 2.0 ** -20, 3.0e5, 448.0 / 3.1, 2.0 ** 70, 1e-38, 5e-45]:
+            s = torch.tensor(scale, dtype=torch.float32)
+            assert torch.equal(_native_codes(x, s, fp8_dtype), _eager_codes(x, s, fp8_dtype)), (dtype, scale)
+        assert torch.equal(_native_codes(x, None, fp8_dtype), _eager_codes(x, None, fp8_dtype)), dtype
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+@pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
+def test_cast_fp32_ties_specials_and_random_bits(fp8_dtype):
+    g = torch.Generator().manual_seed(11)
+    rand = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), dtype=torch.int64, generator=g).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
+                            1e-45, -1e-45, 1.17549435e-38, 3.4028235e38])
+    for x in (_ties(fp8_dtype), rand.view(torch.float32), special):
+        for scale in [None, torch.tensor(1.0), torch.tensor(0.75), torch.tensor(2.0 ** -9)]:
+            assert torch.equal(_native_codes(x, scale, fp8_dtype), _eager_codes(x, scale, fp8_dtype))
+    # independent of torch's conversion: each code decodes to the finite FP8 value nearest its
+    # (clamped) input, the one with an even code on a tie, with the input's sign
+    x = _ties(fp8_dtype)
+    got = native.scale_cast_fp8(x, None, fp8_dtype)
+    codes = torch.arange(0, 0x80, dtype=torch.uint8)
+    vals = codes.view(fp8_dtype).float()
+    codes, vals = codes[torch.isfinite(vals)], vals[torch.isfinite(vals)]
+    m = nx.FP8_MAX[fp8_dtype]
+    d = (vals[None, :].double() - x.abs().clamp(max=m)[:, None].double()).abs()
+    cand = d == d.min(1, keepdim=True).values
+    pick = cand & (((codes & 1) == 0)[None, :] | (cand.sum(1, keepdim=True) == 1))
+    want = vals[pick.int().argmax(1)]
+    assert torch.equal(got.float().abs(), want)
+    assert torch.equal(got.view(torch.uint8) >= 0x80, torch.signbit(x))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["tensor", "row32", "col32", "tile128", "row_each", "odd"])
+def test_cast_takes_every_scale_layout_the_formats_use(fp8_dtype, in_dtype, layout, monkeypatch):
+    """Per-tensor, 1×32 rows, 32×1 columns (a scale per element of the row), 128×128 tiles,
+    one scale per row, and an odd block length, each against the eager codes."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(256, 384, generator=g) * 300).to(in_dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
+    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    xs, s = {
+        "tensor": (x, rand(())),
+        "row32": (x.view(256, 12, 32), rand(256, 12, 1)),
+        "col32": (x.view(8, 32, 384), rand(8, 1, 384)),
+        "tile128": (x.view(2, 128, 3, 128), rand(2, 1, 3, 1)),
+        "row_each": (x, rand(256)[:, None]),
+        "odd": (x.view(256, 128, 3), rand(256, 128, 1)),
+    }[layout]
+    assert torch.equal(_native_codes(xs, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype))
+    # a non-contiguous input and a strided scale give the same codes
+    xt = xs.transpose(0, -1).contiguous().transpose(0, -1)
+    assert torch.equal(_native_codes(xt, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype))
+
+
+def test_cast_declines_to_torch_where_the_c_loop_does_not_apply():
+    """More than 4 dims, a scale varying along the last dim with a stride, an empty tensor:
+    torch's ops run, the same codes."""
+    x = torch.randn(2, 2, 2, 2, 8) * 100
+    s = torch.rand(2, 1, 1, 1, 8) + 0.5
+    assert torch.equal(_native_codes(x, s, torch.float8_e4m3fn), _eager_codes(x, s, torch.float8_e4m3fn))
+    y = torch.randn(16, 8) * 100
+    s2 = (torch.rand(8, 16) + 0.5).t()          # strides (1, 16): the last dim's stride is 16
+    assert torch.equal(_native_codes(y, s2, torch.float8_e5m2), _eager_codes(y, s2, torch.float8_e5m2))
+    assert native.scale_cast_fp8(torch.empty(0, 4), torch.tensor(1.0), torch.float8_e4m3fn).shape == (0, 4)
+
+
+def test_cast_switched_off_gives_the_same_codes(fresh_native, monkeypatch):
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * 500
+    s = torch.rand(64, 3, 1) + 0.5
+    want = _native_codes(x.view(64, 3, 32), s, torch.float8_e4m3fn)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert not fresh_native.available()
+    assert torch.equal(_native_codes(x.view(64, 3, 32), s, torch.float8_e4m3fn), want)
+
+
+def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
+    """Where the library is built, a compiled quantize's E5M2 cast is the C loop's (the fused table
+    then holds it to the eager bytes)."""
+    if not native.available():
+        pytest.skip("no native library: the graphs keep inductor's cast")
+    calls = []
+    real = native._scale_cast_native
+    monkeypatch.setattr(native, "_scale_cast_native", lambda *a: calls.append(a[3]) or real(*a))
+    from te_serial import Float8CurrentScalingQuantizer
+    q = Float8CurrentScalingQuantizer(torch.float8_e5m2)
+    x = torch.randn(256, 512, dtype=torch.bfloat16)
+    with fused.policy("fused"):
+        got = q.quantize(x)
+    with fused.policy("eager"):
+        want = q.quantize(x)
+    assert calls == [torch.float8_e5m2]
+    with fused.policy("fused"):  # E4M3 keeps inductor's own loop (measured faster there)
+        Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(x)
+    assert calls == [torch.float8_e5m2]
+    for k, b in want.buffers().items():
+        assert torch.equal(got.buffers()[k].view(torch.uint8), b.view(torch.uint8)), k

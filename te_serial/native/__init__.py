@@ -1,7 +1,5 @@
 """Native kernels: a small C library built on first use, with torch fallbacks.
 
-Nothing here rounds, so no format's numerics live here; only what moves or compares bits:
-
 * :func:`transpose_bytes` gives a 2-D array of 1-byte codes transposed, the same bytes: how the
   formats derive columnwise codes from codes computed in row order (``formats/``). torch's copy of a
   transposed uint8 view and inductor's transposed stores run at 0.5-1 GB/s on a 2-core VM; the C
@@ -9,13 +7,20 @@ Nothing here rounds, so no format's numerics live here; only what moves or compa
 * :func:`block_amax` takes the |x| maxima of a BF16 / FP16 array's 1×b and b×1 blocks and spots
   NaN in one read (|x| of a sign-magnitude float orders as its bits without the sign), where the
   compiled graphs and the NaN check read the input three times.
+* :func:`scale_cast_fp8` is ``numerics.scale_and_cast_to_fp8`` (fp32 product, clamp, FP8 round to
+  nearest even, by the FP8 definitions bit for bit), which the compiled graphs use for E5M2: torch's
+  fp32 → E5M2 conversion inside inductor's loop runs at half its E4M3 speed; the C loop, vectorized
+  for this CPU, at about a plain cast's speed. The eager path keeps torch's own conversion, so the
+  fused table (fused against eager, byte for byte) holds this kernel to torch's roundings, and the
+  oracle tests hold both to TE's.
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
-package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. The
-shared object is cached per source, compiler and machine under :func:`cache_dir`; where it cannot
-be built or loaded (no compiler, a read-only home) one warning says why and torch's transpose runs.
-``TE_SERIAL_NATIVE=0`` skips it. The kernels are exact by construction (they move and compare
-bits); the tests hold them to torch's transpose and amax on every shape class and alignment.
+package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
+built for the CPU it runs on (``-march=native``, falling back to the generic target where the
+compiler refuses), with ``-ffp-contract=off`` and no fast-math, so each product and sum rounds once,
+as torch's do. The shared object is cached per source, compiler, flags and CPU under
+:func:`cache_dir`; where it cannot be built or loaded (no compiler, a read-only home) one warning
+says why and torch's own ops run. ``TE_SERIAL_NATIVE=0`` skips it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "available", "cache_dir"]
+__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "scale_cast_fp8", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -43,7 +48,9 @@ CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 _SPLIT_BYTES = 1 << 20
 #: the transpose's rows per stripe: a thread's share of rows is a multiple of it
 _STRIPE = 64
-_FLAGS = ("-O3", "-shared", "-fPIC")
+#: compiler flags: tried with the CPU's own instruction set first, then without
+_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+_NATIVE_FLAGS = ("-march=native",)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -58,12 +65,23 @@ def cache_dir() -> Path:
     return Path(base) / "te_serial"
 
 
+def _cpu_id() -> bytes:
+    """What ``-march=native`` depends on: the CPU's model and feature flags (Linux), else its name."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read(1 << 20).splitlines() if ln.startswith((b"model name", b"flags", b"Features"))]
+        return b"\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor().encode()
+
+
 def _build(source: bytes) -> Path:
     """The shared object for ``source``: from the cache, else compiled into it (written under a
     temporary name and renamed, so concurrent builds never load a half-written file)."""
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
-                                     platform.machine().encode(), platform.system().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + _NATIVE_FLAGS).encode(),
+                                     platform.machine().encode(), platform.system().encode(),
+                                     _cpu_id()])).hexdigest()[:16]
     out = cache_dir() / f"te_serial_native-{key}.so"
     if out.exists():
         return out
@@ -71,8 +89,12 @@ def _build(source: bytes) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp) / "kernels.c", Path(tmp) / "lib.so"
         src.write_bytes(source)
-        proc = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
+        for flags in (_FLAGS + _NATIVE_FLAGS, _FLAGS):
+            proc = subprocess.run([cc, *flags, "-o", str(lib), str(src)], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode == 0:
+                break
+        else:
             raise OSError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(lib, out)
     return out
@@ -92,6 +114,9 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_transpose_u8.restype = None
                 lib.te_serial_block_amax_u16.argtypes = [ptr, i64, i64, i64, ctypes.c_uint16, ptr, ptr, i64, i64]
                 lib.te_serial_block_amax_u16.restype = ctypes.c_int
+                lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ctypes.c_int] + [i64] * 6 + \
+                    [ctypes.c_int, i64, i64]
+                lib.te_serial_scale_cast_fp8.restype = ctypes.c_int
                 _state["lib"] = lib
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -101,6 +126,7 @@ def _library() -> ctypes.CDLL | None:
         return _state["lib"]
 
 
+@torch.compiler.assume_constant_result  # a constant to a graph that asks (the loading is not traced)
 def available() -> bool:
     """Whether the C kernels are built and loaded (building them on first call)."""
     return _library() is not None
@@ -115,11 +141,11 @@ def _pool() -> ThreadPoolExecutor:
         return _state["pool"]
 
 
-def _by_rows(fn, x: torch.Tensor, unit: int, *args) -> list:
-    """``fn(*args, r0, r1)`` over x's rows: split between the pool's threads in multiples of ``unit``
-    rows where x is large enough (ctypes releases the GIL during each call), else in this thread."""
-    rows = x.shape[0]
-    parts = min(torch.get_num_threads(), max(1, x.numel() * x.element_size() // _SPLIT_BYTES), max(1, rows // unit))
+def _by_rows(fn, rows: int, nbytes: int, unit: int, *args) -> list:
+    """``fn(*args, r0, r1)`` over ``rows`` rows of work touching ``nbytes`` of input: split between
+    the pool's threads in multiples of ``unit`` rows where that is large enough (ctypes releases the
+    GIL during each call), else in this thread."""
+    parts = min(torch.get_num_threads(), max(1, nbytes // _SPLIT_BYTES), max(1, rows // unit))
     if parts == 1:
         return [fn(*args, 0, rows)]
     step = -(-rows // parts // unit) * unit
@@ -130,7 +156,7 @@ def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.empty((cols, rows), dtype=x.dtype)
     if x.numel():
-        _by_rows(lib.te_serial_transpose_u8, x, _STRIPE, x.data_ptr(), y.data_ptr(), cols, x.stride(0), rows)
+        _by_rows(lib.te_serial_transpose_u8, rows, x.numel(), _STRIPE, x.data_ptr(), y.data_ptr(), cols, x.stride(0), rows)
     return y
 
 
@@ -175,6 +201,86 @@ def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, boo
         return None
     (m, k), u16 = x.shape, torch.uint16
     rows, cols = torch.empty((m, k // b), dtype=u16), torch.empty((m // b, k), dtype=u16)
-    flags = _by_rows(lib.te_serial_block_amax_u16, x, b, x.data_ptr(), k, x.stride(0), b, inf_bits,
+    flags = _by_rows(lib.te_serial_block_amax_u16, m, x.numel() * 2, b, x.data_ptr(), k, x.stride(0), b, inf_bits,
                      rows.data_ptr(), cols.data_ptr())
     return rows.view(x.dtype), cols.view(x.dtype), any(flags)
+
+
+#: the C cast's input kinds
+_IN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _cast_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple, tuple] | None:
+    """A contiguous x's shape and its broadcast scale's strides as the C loop takes them: four dims,
+    the last one's scale stride 0 (one scale per row) or 1 (one per element). Dims of 1 are dropped
+    (a 128×1 block's trailing 1 would make rows of one element) and outer dims merged where the
+    scale's strides allow; None where more than four remain or the last does not fit."""
+    dims = [(n, st) for n, st in zip(shape, strides) if n != 1] or [(1, 0)]
+    inner, outer = dims[-1], []
+    for n, st in dims[:-1]:
+        if outer and outer[-1][1] == st * n:
+            outer[-1] = (outer[-1][0] * n, st)
+        else:
+            outer.append((n, st))
+    if len(outer) > 3 or inner[1] not in (0, 1):
+        return None
+    outer = [(1, 0)] * (3 - len(outer)) + outer
+    return tuple(n for n, _ in outer) + (inner[0],), tuple(st for _, st in outer) + (inner[1],)
+
+
+def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | None,
+                       fp8_dtype: torch.dtype) -> torch.Tensor | None:
+    """The C cast, or None where it does not take the operands (then torch's ops run)."""
+    kind = _IN_KINDS.get(x.dtype)
+    if kind is None or x.dim() > 4 or x.device.type != "cpu":
+        return None
+    s = torch.ones((), dtype=torch.float32) if scale is None else scale
+    if s.dtype != torch.float32 or s.device.type != "cpu":
+        return None
+    try:
+        s = s.expand(x.shape)
+    except RuntimeError:
+        return None
+    layout = _cast_layout(tuple(x.shape), tuple(s.stride()))
+    if layout is None:
+        return None
+    shape, strides = layout
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.uint8)
+    n, outer = shape[3], shape[0] * shape[1] * shape[2]
+    if x.numel():
+        done = _by_rows(lib.te_serial_scale_cast_fp8, outer, x.numel() * x.element_size(), 1,
+                        x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, int(fp8_dtype == torch.float8_e5m2), n,
+                        shape[1], shape[2], *strides[:3], int(strides[3] == 1 and n > 1))
+        if any(done):
+            return None  # a kind this build lacks (fp16 without _Float16)
+    return y.view(fp8_dtype)
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp8", mutates_args=())
+def _scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
+    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    if x.device.type == "cpu":
+        lib = _library()
+        if lib is not None:
+            y = _scale_cast_native(lib, x, scale, fp8_dtype)
+            if y is not None:
+                return y
+    y = x.float() * scale if scale is not None else x.float()
+    m = _FP8_MAX[fp8_dtype]
+    return y.clamp(-m, m).to(fp8_dtype)
+
+
+@_scale_cast_fp8.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn,
+                            memory_format=torch.contiguous_format)
+
+
+def scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 (``fp8_dtype``) of ``fp32(x) * scale`` clamped to the type's range (``scale`` fp32,
+    broadcastable to x; None: 1): on CPU through the C loop, else torch's ops; an opaque op inside a
+    compiled graph. NaN gives 0x7F. Where the C loop does not take the operands (more than 4 dims, a
+    scale varying along x's last dim other than element by element) torch's ops run."""
+    return _scale_cast_fp8(x, scale, fp8_dtype == torch.float8_e5m2)

@@ -90,3 +90,90 @@ int te_serial_block_amax_u16(const uint16_t *x, int64_t cols, int64_t ss, int64_
     }
     return nan_or != 0;
 }
+
+/* FP8 codes of fp32(x) * scale, clamped to the FP8 type's largest finite value, rounded to nearest
+ * even: numerics.scale_and_cast_to_fp8 (TE's quantize step), one read of x and one write of codes.
+ *
+ * The conversions follow the FP8 definitions bit by bit (as torch's own c10 ones do): a normal
+ * result keeps the top mantissa bits with a round-to-nearest-even increment; a result below the
+ * smallest normal rounds through one fp32 addition of a power of two that aligns its last code bit
+ * with fp32's last mantissa bit (the FPU's round to nearest even). NaN becomes 0x7F (the canonical
+ * code the eager path writes). Built without -ffast-math and with -ffp-contract=off, so the product
+ * and that addition are two IEEE roundings, never one FMA.
+ *
+ * x is [outer..., n] contiguous, d = (d0, d1, d2) the outer sizes; the scale of element (i0, i1, i2, j)
+ * is scale[i0 * s0 + i1 * s1 + i2 * s2 + j * sj] with sj 0 (one scale per row of n) or 1 (one per
+ * element). Outer rows [o0, o1) of the d0 * d1 * d2 only, so that callers split the work. */
+#include <string.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint8_t to_e4m3(float v) {  /* |v| <= 448 or NaN */
+    uint32_t b = f2u(v), a = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
+    uint32_t sub = f2u(u2f(a) + u2f(141u << 23)) - (141u << 23);             /* below 2^-6 */
+    uint32_t nor = (a + 0xC407FFFFu + ((a >> 20) & 1u)) >> 20;                /* (7-127)<<23 + 0x7FFFF */
+    uint32_t r = (a < (121u << 23) ? sub : nor) | sign;
+    return (uint8_t)(a > 0x7F800000u ? 0x7Fu : r);
+}
+
+static inline uint8_t to_e5m2(float v) {  /* |v| <= 57344 or NaN */
+    uint32_t b = f2u(v), a = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
+    uint32_t sub = f2u(u2f(a) + u2f(134u << 23)) - (134u << 23);             /* below 2^-14 */
+    uint32_t nor = (a + 0xC80FFFFFu + ((a >> 21) & 1u)) >> 21;                /* (15-127)<<23 + 0xFFFFF */
+    uint32_t r = (a < (113u << 23) ? sub : nor) | sign;
+    return (uint8_t)(a > 0x7F800000u ? 0x7Fu : r);
+}
+
+static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }  /* NaN stays */
+static inline float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+#define CAST_ROW(NAME, T, LOAD, TO, MAXV)                                                         \
+    static inline void NAME##_const(const T *x, float s, uint8_t *y, int64_t n) {                 \
+        for (int64_t j = 0; j < n; j++) y[j] = TO(clampf(LOAD(x[j]) * s, MAXV));                 \
+    }                                                                                             \
+    static inline void NAME##_const32(const T *x, float s, uint8_t *y) {                          \
+        for (int j = 0; j < 32; j++) y[j] = TO(clampf(LOAD(x[j]) * s, MAXV));                    \
+    }                                                                                             \
+    static inline void NAME##_each(const T *x, const float *s, uint8_t *y, int64_t n) {           \
+        for (int64_t j = 0; j < n; j++) y[j] = TO(clampf(LOAD(x[j]) * s[j], MAXV));              \
+    }                                                                                             \
+    static void NAME(const T *x, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
+                     int64_t s0, int64_t s1, int64_t s2, int sj, int64_t o0, int64_t o1) {        \
+        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        for (int64_t o = o0; o < o1; o++) {                                                       \
+            const float *s = scale + i0 * s0 + i1 * s1 + i2 * s2;                                 \
+            if (sj) NAME##_each(x + o * n, s, y + o * n, n);                                      \
+            else if (n == 32) NAME##_const32(x + o * n, *s, y + o * n);                           \
+            else NAME##_const(x + o * n, *s, y + o * n, n);                                       \
+            if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                         \
+        }                                                                                         \
+    }
+
+#define IDENT(v) (v)
+#define HALF(v) ((float)(v))
+CAST_ROW(cast_bf16_e4m3, uint16_t, from_bf16, to_e4m3, 448.0f)
+CAST_ROW(cast_bf16_e5m2, uint16_t, from_bf16, to_e5m2, 57344.0f)
+CAST_ROW(cast_f32_e4m3, float, IDENT, to_e4m3, 448.0f)
+CAST_ROW(cast_f32_e5m2, float, IDENT, to_e5m2, 57344.0f)
+#if defined(__FLT16_MAX__)
+CAST_ROW(cast_f16_e4m3, _Float16, HALF, to_e4m3, 448.0f)
+CAST_ROW(cast_f16_e5m2, _Float16, HALF, to_e5m2, 57344.0f)
+#endif
+
+/* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. Returns 0, or -1 for a kind not built. */
+int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int in_kind, int e5m2, int64_t n,
+                             int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
+                             int64_t o0, int64_t o1) {
+    switch (in_kind * 2 + e5m2) {
+    case 0: cast_bf16_e4m3(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+    case 1: cast_bf16_e5m2(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+#if defined(__FLT16_MAX__)
+    case 2: cast_f16_e4m3(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+    case 3: cast_f16_e5m2(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+#endif
+    case 4: cast_f32_e4m3(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+    case 5: cast_f32_e5m2(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1); return 0;
+    default: return -1;
+    }
+}
