@@ -623,7 +623,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
         try:
             items = [p for p in plans if p.alias_of is None]
             run_pipeline(items, read, compute, write, size=_output_bytes,
-                         write_budget=2 * max(map(_output_bytes, items), default=0))
+                         write_budget=3 * max(map(_output_bytes, items), default=0) // 2)
             for plan in plans:
                 if plan.alias_of is not None:
                     st, ref = plan.src, reports.get(plan.alias_of)
