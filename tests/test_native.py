@@ -243,11 +243,16 @@ def test_cast_takes_every_scale_layout_the_formats_use(fp8_dtype, in_dtype, layo
 
 
 def test_cast_declines_to_torch_where_the_c_loop_does_not_apply():
-    """More than 4 dims, a scale varying along the last dim with a stride, an empty tensor:
-    torch's ops run, the same codes."""
+    """Five dims that merge into fewer run in C; more than four left after merging, a scale varying
+    along the last dim with a stride, an empty tensor: the eager rule runs. The same codes each way."""
     x = torch.randn(2, 2, 2, 2, 8) * 100
     s = torch.rand(2, 1, 1, 1, 8) + 0.5
+    assert native._cast_layout(tuple(x.shape), tuple(s.expand(x.shape).stride())) == ((1, 2, 8, 8), (0, 8, 0, 1))
     assert torch.equal(_native_codes(x, s, torch.float8_e4m3fn), _eager_codes(x, s, torch.float8_e4m3fn))
+    x6 = torch.randn(2, 3, 2, 3, 2, 8) * 100
+    s6 = torch.rand(2, 1, 2, 1, 2, 8) + 0.5
+    assert native._cast_layout(tuple(x6.shape), tuple(s6.expand(x6.shape).stride())) is None
+    assert torch.equal(_native_codes(x6, s6, torch.float8_e5m2), _eager_codes(x6, s6, torch.float8_e5m2))
     y = torch.randn(16, 8) * 100
     s2 = (torch.rand(8, 16) + 0.5).t()          # strides (1, 16): the last dim's stride is 16
     assert torch.equal(_native_codes(y, s2, torch.float8_e5m2), _eager_codes(y, s2, torch.float8_e5m2))

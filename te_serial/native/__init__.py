@@ -156,7 +156,8 @@ def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.empty((cols, rows), dtype=x.dtype)
     if x.numel():
-        _by_rows(lib.te_serial_transpose_u8, rows, x.numel(), _STRIPE, x.data_ptr(), y.data_ptr(), cols, x.stride(0), rows)
+        _by_rows(lib.te_serial_transpose_u8, rows, x.numel(), _STRIPE, x.data_ptr(), y.data_ptr(), cols,
+                 x.stride(0), rows)
     return y
 
 
@@ -201,14 +202,13 @@ def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, boo
         return None
     (m, k), u16 = x.shape, torch.uint16
     rows, cols = torch.empty((m, k // b), dtype=u16), torch.empty((m // b, k), dtype=u16)
-    flags = _by_rows(lib.te_serial_block_amax_u16, m, x.numel() * 2, b, x.data_ptr(), k, x.stride(0), b, inf_bits,
-                     rows.data_ptr(), cols.data_ptr())
+    flags = _by_rows(lib.te_serial_block_amax_u16, m, x.numel() * 2, b, x.data_ptr(), k, x.stride(0), b,
+                     inf_bits, rows.data_ptr(), cols.data_ptr())
     return rows.view(x.dtype), cols.view(x.dtype), any(flags)
 
 
 #: the C cast's input kinds
 _IN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def _cast_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple, tuple] | None:
@@ -233,7 +233,7 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
                        fp8_dtype: torch.dtype) -> torch.Tensor | None:
     """The C cast, or None where it does not take the operands (then torch's ops run)."""
     kind = _IN_KINDS.get(x.dtype)
-    if kind is None or x.dim() > 4 or x.device.type != "cpu":
+    if kind is None or x.device.type != "cpu":
         return None
     s = torch.ones((), dtype=torch.float32) if scale is None else scale
     if s.dtype != torch.float32 or s.device.type != "cpu":
@@ -267,9 +267,8 @@ def _scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> 
             y = _scale_cast_native(lib, x, scale, fp8_dtype)
             if y is not None:
                 return y
-    y = x.float() * scale if scale is not None else x.float()
-    m = _FP8_MAX[fp8_dtype]
-    return y.clamp(-m, m).to(fp8_dtype)
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    return numerics.scale_and_cast_to_fp8(x, scale, fp8_dtype).view(fp8_dtype)
 
 
 @_scale_cast_fp8.register_fake
@@ -281,6 +280,7 @@ def _(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
 def scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 (``fp8_dtype``) of ``fp32(x) * scale`` clamped to the type's range (``scale`` fp32,
     broadcastable to x; None: 1): on CPU through the C loop, else torch's ops; an opaque op inside a
-    compiled graph. NaN gives 0x7F. Where the C loop does not take the operands (more than 4 dims, a
-    scale varying along x's last dim other than element by element) torch's ops run."""
+    compiled graph. NaN gives 0x7F. Where the C loop does not take the operands (more than four dims
+    left after merging, a scale varying along x's last dim other than element by element) the eager
+    rule runs."""
     return _scale_cast_fp8(x, scale, fp8_dtype == torch.float8_e5m2)
