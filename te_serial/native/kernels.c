@@ -109,21 +109,21 @@ int te_serial_block_amax_u16(const uint16_t *x, int64_t cols, int64_t ss, int64_
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-static inline uint8_t to_e4m3(float v) {  /* |v| <= 448 or NaN */
+/* The FP8 code of v (|v| within the type's range, or NaN) for a type with `mbits` mantissa bits
+ * and exponent bias `bias` (E4M3: 3, 7; E5M2: 2, 15). Constant arguments fold when inlined. */
+static inline uint8_t fp8_code(float v, const int mbits, const int bias) {
+    const int drop = 23 - mbits;                                       /* fp32 mantissa bits dropped */
+    const uint32_t min_normal = (uint32_t)(127 + 1 - bias) << 23;      /* the type's smallest normal */
+    const uint32_t magic = (uint32_t)(127 + 1 - bias - mbits + 23) << 23;  /* its ulp at fp32's last bit */
     uint32_t b = f2u(v), a = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
-    uint32_t sub = f2u(u2f(a) + u2f(141u << 23)) - (141u << 23);             /* below 2^-6 */
-    uint32_t nor = (a + 0xC407FFFFu + ((a >> 20) & 1u)) >> 20;                /* (7-127)<<23 + 0x7FFFF */
-    uint32_t r = (a < (121u << 23) ? sub : nor) | sign;
+    uint32_t sub = f2u(u2f(a) + u2f(magic)) - magic;
+    uint32_t nor = (a - ((uint32_t)(127 - bias) << 23) + ((1u << (drop - 1)) - 1u) + ((a >> drop) & 1u)) >> drop;
+    uint32_t r = (a < min_normal ? sub : nor) | sign;
     return (uint8_t)(a > 0x7F800000u ? 0x7Fu : r);
 }
 
-static inline uint8_t to_e5m2(float v) {  /* |v| <= 57344 or NaN */
-    uint32_t b = f2u(v), a = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
-    uint32_t sub = f2u(u2f(a) + u2f(134u << 23)) - (134u << 23);             /* below 2^-14 */
-    uint32_t nor = (a + 0xC80FFFFFu + ((a >> 21) & 1u)) >> 21;                /* (15-127)<<23 + 0xFFFFF */
-    uint32_t r = (a < (113u << 23) ? sub : nor) | sign;
-    return (uint8_t)(a > 0x7F800000u ? 0x7Fu : r);
-}
+#define TO_E4M3(v) fp8_code((v), 3, 7)
+#define TO_E5M2(v) fp8_code((v), 2, 15)
 
 static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m : v); }  /* NaN stays */
 static inline float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
@@ -152,13 +152,13 @@ static inline float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
 
 #define IDENT(v) (v)
 #define HALF(v) ((float)(v))
-CAST_ROW(cast_bf16_e4m3, uint16_t, from_bf16, to_e4m3, 448.0f)
-CAST_ROW(cast_bf16_e5m2, uint16_t, from_bf16, to_e5m2, 57344.0f)
-CAST_ROW(cast_f32_e4m3, float, IDENT, to_e4m3, 448.0f)
-CAST_ROW(cast_f32_e5m2, float, IDENT, to_e5m2, 57344.0f)
+CAST_ROW(cast_bf16_e4m3, uint16_t, from_bf16, TO_E4M3, 448.0f)
+CAST_ROW(cast_bf16_e5m2, uint16_t, from_bf16, TO_E5M2, 57344.0f)
+CAST_ROW(cast_f32_e4m3, float, IDENT, TO_E4M3, 448.0f)
+CAST_ROW(cast_f32_e5m2, float, IDENT, TO_E5M2, 57344.0f)
 #if defined(__FLT16_MAX__)
-CAST_ROW(cast_f16_e4m3, _Float16, HALF, to_e4m3, 448.0f)
-CAST_ROW(cast_f16_e5m2, _Float16, HALF, to_e5m2, 57344.0f)
+CAST_ROW(cast_f16_e4m3, _Float16, HALF, TO_E4M3, 448.0f)
+CAST_ROW(cast_f16_e5m2, _Float16, HALF, TO_E5M2, 57344.0f)
 #endif
 
 /* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. Returns 0, or -1 for a kind not built. */
