@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from te_serial import native
+from te_serial import numerics as nx  # the eager rule the C cast must equal
+from te_serial.formats import fused
 
 # rows and cols around the kernel's 64-row stripes and 16 x 16 tiles, and destination rows that are
 # not 16-byte aligned (streamed vs plain stores)
@@ -152,9 +154,6 @@ def test_block_amax_declines_what_it_does_not_take():
 
 
 # --- the FP8 cast ----------------------------------------------------------------------------------
-
-from te_serial import numerics as nx  # noqa: E402 - the eager rule the C cast must equal
-from te_serial.formats import fused  # noqa: E402
 
 FP8_TYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
