@@ -129,13 +129,15 @@ static inline float clampf(float v, float m) { return v > m ? m : (v < -m ? -m :
 static inline float from_bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
 
 #define CAST_ROW(NAME, T, LOAD, TO, MAXV)                                                         \
-    static inline void NAME##_const(const T *x, float s, uint8_t *y, int64_t n) {                 \
+    /* restrict: no runtime aliasing checks before each 32-element row (a third of its time) */   \
+    static inline void NAME##_const(const T *restrict x, float s, uint8_t *restrict y, int64_t n) { \
         for (int64_t j = 0; j < n; j++) y[j] = TO(clampf(LOAD(x[j]) * s, MAXV));                 \
     }                                                                                             \
-    static inline void NAME##_const32(const T *x, float s, uint8_t *y) {                          \
+    static inline void NAME##_const32(const T *restrict x, float s, uint8_t *restrict y) {        \
         for (int j = 0; j < 32; j++) y[j] = TO(clampf(LOAD(x[j]) * s, MAXV));                    \
     }                                                                                             \
-    static inline void NAME##_each(const T *x, const float *s, uint8_t *y, int64_t n) {           \
+    static inline void NAME##_each(const T *restrict x, const float *restrict s, uint8_t *restrict y, \
+                                   int64_t n) {                                                   \
         for (int64_t j = 0; j < n; j++) y[j] = TO(clampf(LOAD(x[j]) * s[j], MAXV));              \
     }                                                                                             \
     static void NAME(const T *x, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
