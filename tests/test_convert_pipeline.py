@@ -301,3 +301,38 @@ def test_compare_exactness_is_on_the_bits(chunk):
         y[i] = v
         got = tr.compare(x, y, chunk)
         assert not got.exact and got.max_abs_err == math.inf, (i, v)
+
+
+@pytest.mark.parametrize("case", ["lossy", "inf", "nan", "exact", "signed_zero", "huge"])
+def test_compiled_comparison_gives_the_eager_figures(case, monkeypatch):
+    """Large comparisons (≥ fused.MIN_NUMEL) settle a lossy result in one compiled pass; whatever
+    it cannot settle (non-finite values, no difference, fp32 overflow) goes to the chunked
+    comparison, so every case gets the eager path's exactness and errors."""
+    from te_serial.conversion import transforms as tr
+    from te_serial.formats import fused
+    n = fused.MIN_NUMEL + 12345
+    x = randn((n,), 11, scale=1.0)                                   # BF16 reference
+    y = x.float() + randn((n,), 12, scale=0.01).float()
+    if case == "inf":
+        y[n // 3] = float("inf")
+    elif case == "nan":
+        y[5] = float("nan")
+    elif case == "exact":
+        y = x.float()
+    elif case == "signed_zero":
+        y = x.float()
+        x[17], y[17] = 0.0, -0.0
+    elif case == "huge":
+        y = x.float() * 3e19                                           # Σd² overflows fp32
+    settled = []
+    real = tr._Comparison._settle
+    monkeypatch.setattr(tr._Comparison, "_settle", lambda self, a, b: settled.append(real(self, a, b)) or settled[-1])
+    with fused.policy("fused"):
+        got = tr.compare(x, y)
+    assert settled == [case == "lossy"]  # one compiled pass; it settles the lossy case only
+    with fused.policy("eager"):
+        want = tr.compare(x, y)
+    assert got.exact == want.exact and got.max_abs_err == want.max_abs_err
+    assert got.rel_rmse == pytest.approx(want.rel_rmse, rel=1e-4)
+    assert got.snr_db == pytest.approx(want.snr_db, rel=1e-4, abs=1e-6)
+    assert not fused.failures()
