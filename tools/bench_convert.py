@@ -52,15 +52,19 @@ sys.path.insert(0, sys.argv[4])
 import torch
 import importlib
 tc = importlib.import_module("te_serial.conversion")
-from te_serial.conversion.transforms import usage_view
+from te_serial.conversion.transforms import compare, usage_view
 from te_serial.formats import fused
 from te_serial.recipes import recipe_quantizer
-# first-call compile, timed apart: one quantize and the dequantize of each usage, as convert runs them
+# first-call compile, timed apart: one quantize, the dequantize of each usage and the comparison
+# with the source (--stats full), as convert runs them
 t0 = time.perf_counter()
 q = recipe_quantizer(sys.argv[3])
-w = q(torch.randn(2048, 1024, dtype=torch.bfloat16))
+x = torch.randn(2048, 1024, dtype=torch.bfloat16)
+w = q(x)
 for u in ("rowwise", "columnwise"):
-    usage_view(w, u).dequantize(torch.float32)
+    d = usage_view(w, u).dequantize(torch.float32)
+if sys.argv[5] == "full":
+    compare(x, d)
 compile_s, compiles = time.perf_counter() - t0, fused.compile_count()
 try:  # the conversion's own peak from here on
     with open("/proc/self/clear_refs", "w") as f:
