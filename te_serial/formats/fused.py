@@ -3,7 +3,8 @@
 There is no second copy of any format's math here. ``base.Quantizer`` hands this module the same
 pure functions its eager path runs (``_prepare`` + ``_quantize_rows`` over the whole tensor,
 ``_dequantize``); inductor fuses their dozen elementwise passes and reductions into a few loops
-(vectorized C++ on CPU, Triton on CUDA). This module owns the policy around that:
+(vectorized C++ on CPU, Triton on CUDA). ``conversion.transforms`` runs its error sums (one pass
+per lossy output) through :func:`run` too. This module owns the policy around that:
 
 * **numerics pinned** (:data:`NUMERICS`): no fast-math, no FMA contraction, IEEE division and
   no flush-to-zero on Triton, and explicit low-precision casts kept, so the compiled kernels round
