@@ -28,11 +28,13 @@ per lossy output) through :func:`run` too. This module owns the policy around th
   inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
 * **main thread only**: called from worker threads, the compiled graphs of this module returned
-  wrong data buffers now and then (scales right), with a second format's graph already compiled.
-  It needs concurrency: the same calls never went wrong with each worker's whole quantize
-  serialized, and graphs called on the main thread stayed right while workers ran eager quantize
-  and reductions at once (convert's reader and writer threads do that). Root cause not found.
-  Worker threads therefore run the eager code, whose bytes are right everywhere.
+  wrong data buffers (scales right). ``tools/repro_worker_threads.py`` shows it: with 4 worker
+  threads calling graphs that are first compiled there, some data buffers differ from the eager
+  bytes in almost every byte; with the graphs compiled on the main thread first, or with one
+  worker, none do. It persists without the native kernels, with one inductor compile thread, and
+  with the amax pass under the call lock. Root cause not found. Worker threads therefore run the
+  eager code, whose bytes are right everywhere; convert's reader and writer threads never call
+  graphs, and graphs on the main thread stayed right while workers ran eager work at once.
 * **fallback**: where compiling fails (no C++ compiler, a dtype the backend lacks) the eager path
   runs and one warning per (function, format, device, dtype) says why; that key stays eager.
 
