@@ -252,7 +252,7 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
     if x.numel():
         done = _by_rows(lib.te_serial_scale_cast_fp8, outer, x.numel() * x.element_size(), 1,
                         x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, int(fp8_dtype == torch.float8_e5m2), n,
-                        shape[1], shape[2], *strides[:3], int(strides[3] == 1 and n > 1))
+                        shape[1], shape[2], *strides[:3], strides[3])
         if any(done):
             return None  # a kind this build lacks (fp16 without _Float16)
     return y.view(fp8_dtype)
