@@ -101,16 +101,14 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
 
     Compiled (``formats.fused``), the input holds no NaN (NaN inputs run eager), so there is nothing
     to canonicalize, and the result stays ``fp8_dtype`` (same bytes) for the caller to view as
-    bits outside the graph: inductor vectorizes fp8 stores, transposed ones included, but not a
-    select on uint8, which halves its speed. E5M2 on CPU goes through the C loop of
-    ``native.scale_cast_fp8`` (the same roundings): torch's fp32 → E5M2 conversion in inductor's
-    loop ran at half its E4M3 speed, the C loop at about a plain cast's. For E4M3 inductor's own
-    loop measured faster, as it shares the read with the graph's other work (MXFP8's two casts
-    in one loop). The eager path keeps torch's conversion, so the fused table compares the two.
+    bits outside the graph. On CPU the cast is the C loop of ``native.scale_cast_fp8`` (the same
+    roundings, 16 lanes at a time, where torch's conversion is scalar and inductor's loop ran at
+    half a plain cast's speed for E4M3 and a quarter for E5M2); elsewhere inductor's loop (Triton
+    on CUDA). The eager path keeps torch's conversion, so the fused table compares the two.
     """
     m = FP8_MAX[fp8_dtype]
     if torch.compiler.is_compiling():  # out of place: in-place ops stop inductor's fusion
-        if fp8_dtype == torch.float8_e5m2 and x.device.type == "cpu" and native.available():
+        if x.device.type == "cpu" and native.available():
             return native.scale_cast_fp8(x, scale, fp8_dtype)  # the C loop: the same roundings, faster
         y = x.float() * scale if scale is not None else x.float()
         return y.clamp(-m, m).to(fp8_dtype)

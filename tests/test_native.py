@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -108,16 +110,32 @@ def test_refuses_what_is_not_a_2d_byte_array():
 
 
 
-def test_a_pool_made_by_another_process_is_not_used(monkeypatch):
-    """Worker threads do not survive a fork: a pool recorded under another pid (the parent's) is
-    replaced by one of this process's own, which does the work."""
+def test_a_forked_child_runs_the_kernels_in_its_own_thread(monkeypatch):
+    """OpenMP's threads do not survive a fork (a parallel region in the child would wait on them
+    forever): in a child the kernels run in the calling thread, and give the same bytes."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
     x = _random_bytes((512, 256), seed=5)
-    assert torch.equal(native.transpose_bytes(x), x.t())
-    parents = native._state["pool"]
-    monkeypatch.setitem(native._state, "pool_pid", -1)
-    assert torch.equal(native.transpose_bytes(x), x.t())
-    assert native._state["pool"] is not parents and native._state["pool_pid"] == os.getpid()
+    want = x.t().contiguous().numpy().tobytes()
+    assert native.transpose_bytes(x).numpy().tobytes() == want  # the parent's threads exist now
+    assert native._threads(512, x.numel(), 64) == min(torch.get_num_threads(), 8)
+    pid = os.fork()
+    if pid == 0:  # the child: no torch op that could enter a parallel region, no pytest
+        try:
+            ok = native._threads(512, x.numel(), 64) == 1 and native.transpose_bytes(x).numpy().tobytes() == want
+            os._exit(0 if ok else 1)
+        except BaseException:  # noqa: BLE001 - the child must never return into pytest
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the native kernel")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -218,10 +236,11 @@ def test_cast_fp32_ties_specials_and_random_bits(fp8_dtype):
 
 @pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["tensor", "row32", "col32", "tile128", "row_each", "odd"])
+@pytest.mark.parametrize("layout", ["tensor", "row32", "col32", "tile128", "row_each", "odd", "row24"])
 def test_cast_takes_every_scale_layout_the_formats_use(fp8_dtype, in_dtype, layout, monkeypatch):
     """Per-tensor, 1×32 rows, 32×1 columns (a scale per element of the row), 128×128 tiles,
-    one scale per row, and an odd block length, each against the eager codes."""
+    one scale per row, an odd block length and one of 16 + 8 (the C loop's 16 lanes and a tail),
+    each against the eager codes."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(256, 384, generator=g) * 300).to(in_dtype)
@@ -234,6 +253,7 @@ def test_cast_takes_every_scale_layout_the_formats_use(fp8_dtype, in_dtype, layo
         "tile128": (x.view(2, 128, 3, 128), rand(2, 1, 3, 1)),
         "row_each": (x, rand(256)[:, None]),
         "odd": (x.view(256, 128, 3), rand(256, 128, 1)),
+        "row24": (x.view(256, 16, 24), rand(256, 16, 1)),
     }[layout]
     assert torch.equal(_native_codes(xs, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype))
     # a non-contiguous input and a strided scale give the same codes
@@ -267,9 +287,23 @@ def test_cast_switched_off_gives_the_same_codes(fresh_native, monkeypatch):
     assert torch.equal(_native_codes(x.view(64, 3, 32), s, torch.float8_e4m3fn), want)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
+    """Built without this CPU's instruction set and without OpenMP (the flags a compiler that refuses
+    them leaves): the generic vector code and one thread give the eager codes too."""
+    monkeypatch.setattr(fresh_native, "_OPTIONAL_FLAGS", ((),))
+    assert fresh_native.available()
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for fp8_dtype in FP8_TYPES:
+        for xs, s in [(x.reshape(256, 256), torch.tensor(0.37)), (x.reshape(2048, 32), torch.rand(2048, 1) + 0.5),
+                      (x.reshape(64, 1024), torch.rand(1024) * 3), (x.reshape(65536, 1), torch.tensor(2.0 ** 70)),
+                      (x.float().reshape(4096, 16)[:, :13], torch.tensor(1.5))]:
+            assert torch.equal(_native_codes(xs, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype)), (fp8_dtype, xs.shape)
+
+
 def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
-    """Where the library is built, a compiled quantize's E5M2 cast is the C loop's (the fused table
-    then holds it to the eager bytes)."""
+    """Where the library is built, a compiled quantize's FP8 cast is the C loop's, for both FP8 types
+    (the fused table then holds it to the eager bytes)."""
     if not native.available():
         pytest.skip("no native library: the graphs keep inductor's cast")
     calls = []
@@ -283,8 +317,8 @@ def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
     with fused.policy("eager"):
         want = q.quantize(x)
     assert calls == [torch.float8_e5m2]
-    with fused.policy("fused"):  # E4M3 keeps inductor's own loop (measured faster there)
+    with fused.policy("fused"):
         Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(x)
-    assert calls == [torch.float8_e5m2]
+    assert calls == [torch.float8_e5m2, torch.float8_e4m3fn]
     for k, b in want.buffers().items():
         assert torch.equal(got.buffers()[k].view(torch.uint8), b.view(torch.uint8)), k

@@ -8,19 +8,22 @@
   NaN in one read (|x| of a sign-magnitude float orders as its bits without the sign), where the
   compiled graphs and the NaN check read the input three times.
 * :func:`scale_cast_fp8` is ``numerics.scale_and_cast_to_fp8`` (fp32 product, clamp, FP8 round to
-  nearest even, by the FP8 definitions bit for bit), which the compiled graphs use for E5M2: torch's
-  fp32 → E5M2 conversion inside inductor's loop runs at half its E4M3 speed; the C loop, vectorized
-  for this CPU, at about a plain cast's speed. The eager path keeps torch's own conversion, so the
-  fused table (fused against eager, byte for byte) holds this kernel to torch's roundings, and the
-  oracle tests hold both to TE's.
+  nearest even, by the FP8 definitions bit for bit), 16 lanes at a time, which the compiled graphs
+  use for both FP8 types: torch's fp32 → FP8 conversion is scalar, and inside inductor's loop ran at
+  a half (E4M3) or a quarter (E5M2) of a plain cast's speed. The eager path keeps torch's own
+  conversion, so the fused table (fused against eager, byte for byte) holds this kernel to torch's
+  roundings, and the oracle tests hold both to TE's.
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
 package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
-built for the CPU it runs on (``-march=native``, falling back to the generic target where the
-compiler refuses), with ``-ffp-contract=off`` and no fast-math, so each product and sum rounds once,
-as torch's do. The shared object is cached per source, compiler, flags and CPU under
-:func:`cache_dir`; where it cannot be built or loaded (no compiler, a read-only home) one warning
-says why and torch's own ops run. ``TE_SERIAL_NATIVE=0`` skips it.
+built for the CPU it runs on (``-march=native``), with ``-ffp-contract=off`` and no fast-math, so
+each product and sum rounds once, as torch's do, and with ``-fopenmp``: its kernels split their
+rows among the OpenMP threads of torch's own runtime, as inductor's kernels do (a pool of its own
+contended with the threads torch leaves spinning after each parallel region). Where the compiler
+refuses a flag, the build drops it (the generic target, one thread). The shared object is cached per
+source, compiler, flags and CPU under :func:`cache_dir`; where it cannot be built or loaded (no
+compiler, a read-only home) one warning says why and torch's own ops run. ``TE_SERIAL_NATIVE=0``
+skips it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -48,9 +50,10 @@ CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 _SPLIT_BYTES = 1 << 20
 #: the transpose's rows per stripe: a thread's share of rows is a multiple of it
 _STRIPE = 64
-#: compiler flags: tried with the CPU's own instruction set first, then without
+#: compiler flags, then the optional ones: each set is tried with as many of them as the compiler takes,
+#: in this order (this CPU's instruction set and OpenMP, then OpenMP alone, then neither)
 _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
-_NATIVE_FLAGS = ("-march=native",)
+_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -79,7 +82,7 @@ def _build(source: bytes) -> Path:
     """The shared object for ``source``: from the cache, else compiled into it (written under a
     temporary name and renamed, so concurrent builds never load a half-written file)."""
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + _NATIVE_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), repr((_FLAGS, _OPTIONAL_FLAGS)).encode(),
                                      platform.machine().encode(), platform.system().encode(),
                                      _cpu_id()])).hexdigest()[:16]
     out = cache_dir() / f"te_serial_native-{key}.so"
@@ -89,8 +92,8 @@ def _build(source: bytes) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp) / "kernels.c", Path(tmp) / "lib.so"
         src.write_bytes(source)
-        for flags in (_FLAGS + _NATIVE_FLAGS, _FLAGS):
-            proc = subprocess.run([cc, *flags, "-o", str(lib), str(src)], capture_output=True, text=True,
+        for optional in _OPTIONAL_FLAGS:
+            proc = subprocess.run([cc, *_FLAGS, *optional, "-o", str(lib), str(src)], capture_output=True, text=True,
                                   timeout=120)
             if proc.returncode == 0:
                 break
@@ -110,14 +113,14 @@ def _library() -> ctypes.CDLL | None:
                 source = resources.files(__name__).joinpath("kernels.c").read_bytes()
                 lib = ctypes.CDLL(str(_build(source)))
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.te_serial_transpose_u8.argtypes = [ptr, ptr] + [i64] * 5
+                i32 = ctypes.c_int
+                lib.te_serial_transpose_u8.argtypes = [ptr, ptr] + [i64] * 4 + [i32]
                 lib.te_serial_transpose_u8.restype = None
-                lib.te_serial_block_amax_u16.argtypes = [ptr, i64, i64, i64, ctypes.c_uint16, ptr, ptr, i64, i64]
-                lib.te_serial_block_amax_u16.restype = ctypes.c_int
-                lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ctypes.c_int] + [i64] * 6 + \
-                    [ctypes.c_int, i64, i64]
-                lib.te_serial_scale_cast_fp8.restype = ctypes.c_int
-                _state["lib"] = lib
+                lib.te_serial_block_amax_u16.argtypes = [ptr] + [i64] * 4 + [ctypes.c_uint16, ptr, ptr, i32]
+                lib.te_serial_block_amax_u16.restype = i32
+                lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, i32, i32] + [i64] * 7 + [i32, i32]
+                lib.te_serial_scale_cast_fp8.restype = i32
+                _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
                 warnings.warn(f"te_serial: native byte kernels unavailable ({e}); torch's own ops run "
@@ -132,32 +135,22 @@ def available() -> bool:
     return _library() is not None
 
 
-def _pool() -> ThreadPoolExecutor:
-    """This process's worker threads (made again in a forked child, which has none of its parent's)."""
-    with _lock:
-        if _state.get("pool_pid") != os.getpid():
-            _state["pool"] = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="te_serial_native")
-            _state["pool_pid"] = os.getpid()
-        return _state["pool"]
-
-
-def _by_rows(fn, rows: int, nbytes: int, unit: int, *args) -> list:
-    """``fn(*args, r0, r1)`` over ``rows`` rows of work touching ``nbytes`` of input: split between
-    the pool's threads in multiples of ``unit`` rows where that is large enough (ctypes releases the
-    GIL during each call), else in this thread."""
-    parts = min(torch.get_num_threads(), max(1, nbytes // _SPLIT_BYTES), max(1, rows // unit))
-    if parts == 1:
-        return [fn(*args, 0, rows)]
-    step = -(-rows // parts // unit) * unit
-    return [f.result() for f in [_pool().submit(fn, *args, r, min(rows, r + step)) for r in range(0, rows, step)]]
+def _threads(rows: int, nbytes: int, unit: int) -> int:
+    """How many of torch's OpenMP threads a kernel over ``rows`` rows of work touching ``nbytes`` of
+    input splits into (whole multiples of ``unit`` rows each): as many as torch uses in this
+    thread where the work is large enough (a parallel region costs ~10 µs), one in a forked child
+    (GNU OpenMP's threads do not survive a fork, and its next parallel region there would hang)."""
+    if os.getpid() != _state.get("pid"):
+        return 1
+    return max(1, min(torch.get_num_threads(), nbytes // _SPLIT_BYTES, rows // unit))
 
 
 def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.empty((cols, rows), dtype=x.dtype)
     if x.numel():
-        _by_rows(lib.te_serial_transpose_u8, rows, x.numel(), _STRIPE, x.data_ptr(), y.data_ptr(), cols,
-                 x.stride(0), rows)
+        lib.te_serial_transpose_u8(x.data_ptr(), y.data_ptr(), rows, cols, x.stride(0), rows,
+                                   _threads(rows, x.numel(), _STRIPE))
     return y
 
 
@@ -202,9 +195,9 @@ def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, boo
         return None
     (m, k), u16 = x.shape, torch.uint16
     rows, cols = torch.empty((m, k // b), dtype=u16), torch.empty((m // b, k), dtype=u16)
-    flags = _by_rows(lib.te_serial_block_amax_u16, m, x.numel() * 2, b, x.data_ptr(), k, x.stride(0), b,
-                     inf_bits, rows.data_ptr(), cols.data_ptr())
-    return rows.view(x.dtype), cols.view(x.dtype), any(flags)
+    nan = lib.te_serial_block_amax_u16(x.data_ptr(), m, k, x.stride(0), b, inf_bits, rows.data_ptr(), cols.data_ptr(),
+                                       _threads(m, x.numel() * 2, b))
+    return rows.view(x.dtype), cols.view(x.dtype), bool(nan)
 
 
 #: the C cast's input kinds
@@ -250,10 +243,8 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
     y = torch.empty(x.shape, dtype=torch.uint8)
     n, outer = shape[3], shape[0] * shape[1] * shape[2]
     if x.numel():
-        done = _by_rows(lib.te_serial_scale_cast_fp8, outer, x.numel() * x.element_size(), 1,
-                        x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, int(fp8_dtype == torch.float8_e5m2), n,
-                        shape[1], shape[2], *strides[:3], strides[3])
-        if any(done):
+        if lib.te_serial_scale_cast_fp8(x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, int(fp8_dtype == torch.float8_e5m2),
+                                        n, *shape[:3], *strides, _threads(outer, x.numel() * x.element_size(), 1)):
             return None  # a kind this build lacks (fp16 without _Float16)
     return y.view(fp8_dtype)
 
