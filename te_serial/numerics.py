@@ -253,6 +253,16 @@ def pack_fp4(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return pairs.select(dim + 1, 0) | (pairs.select(dim + 1, 1) << 4)
 
 
+def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int = -1) -> torch.Tensor:
+    """E2M1 codes of ``fp32(x) * scale`` (``scale`` broadcastable, fp32) packed two per byte along
+    ``dim`` (-1 or -2, :func:`pack_fp4`): NVFP4's data step. Compiled on CPU, the C loop of
+    ``native.scale_cast_fp4`` (the same product and roundings, 16 lanes at a time, packed as it
+    goes); else :func:`cast_to_fp4_codes` and :func:`pack_fp4`, which the fused table compares it to."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and native.available():
+        return native.scale_cast_fp4(x, scale, dim)
+    return pack_fp4(cast_to_fp4_codes(x.float() * scale if scale is not None else x.float()), dim=dim)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes, each byte widened to a
     little-endian int16 holding (low nibble, high nibble) as its two bytes (no stack: fusable)."""

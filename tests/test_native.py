@@ -299,6 +299,9 @@ def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
                       (x.reshape(64, 1024), torch.rand(1024) * 3), (x.reshape(65536, 1), torch.tensor(2.0 ** 70)),
                       (x.float().reshape(4096, 16)[:, :13], torch.tensor(1.5))]:
             assert torch.equal(_native_codes(xs, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype)), (fp8_dtype, xs.shape)
+    for dim in (-1, -2):
+        xs, s = x.reshape(128, 16, 32), torch.rand(128, 16, 1) * 4
+        assert torch.equal(native.scale_cast_fp4(xs, s, dim), nx.scale_and_cast_to_fp4(xs, s, dim)), dim
 
 
 def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
@@ -320,5 +323,101 @@ def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
     with fused.policy("fused"):
         Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(x)
     assert calls == [torch.float8_e5m2, torch.float8_e4m3fn]
+    for k, b in want.buffers().items():
+        assert torch.equal(got.buffers()[k].view(torch.uint8), b.view(torch.uint8)), k
+
+
+# --- the FP4 (E2M1) cast ---------------------------------------------------------------------------
+
+def _fp4_eager(x, scale, dim):
+    """The eager rule: torch's fp32 product, cast_to_fp4_codes, pack_fp4."""
+    return nx.scale_and_cast_to_fp4(x, scale, dim)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_fp4_cast_every_bf16_and_fp16_pattern_at_many_scales(dim, monkeypatch):
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # split between threads too
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+        for scale in [1.0, 0.37, 2.0 ** -20, 3.0e5, 6.0 / 3.1, 2.0 ** 70, 1e-38, 5e-45]:
+            s = torch.tensor(scale, dtype=torch.float32)
+            got = native.scale_cast_fp4(x, s, dim)
+            assert got.shape == ((256, 128) if dim == -1 else (128, 256))
+            assert torch.equal(got, _fp4_eager(x, s, dim)), (dtype, scale)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+def test_fp4_cast_fp32_ties_specials_and_random_bits():
+    """Random fp32 bit patterns (NaN of both signs among them: +6, code 7), every E2M1 midpoint and its
+    fp32 neighbours, ±0, ±6, ±inf, against the eager codes; cast_to_fp4_codes is itself held to a
+    brute-force nearest-even table in test_fused."""
+    g = torch.Generator().manual_seed(12)
+    rand = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), dtype=torch.int64, generator=g).to(torch.int32)
+    mids = torch.tensor([t for t, _ in nx.E2M1_STEPS])
+    near = torch.cat([mids, mids.nextafter(torch.zeros(7)), mids.nextafter(torch.full((7,), 9.0)),
+                      torch.tensor([0.0, 6.0, 7.0, float("inf"), float("nan"), 1e-45])])
+    near = torch.cat([near, -near, near * 0.5])
+    near = torch.cat([near, torch.zeros(-len(near) % 32)])  # whole rows of 16, an even number of them
+    for x in (rand.view(torch.float32).reshape(-1, 64), near.reshape(-1, 16)):
+        for scale in [None, torch.tensor(1.0), torch.tensor(0.75), torch.tensor(2.0 ** -9)]:
+            for dim in (-1, -2):
+                assert torch.equal(native.scale_cast_fp4(x, scale, dim), _fp4_eager(x, scale, dim))
+    assert native.scale_cast_fp4(torch.full((1, 16), float("nan")), None).tolist() == [[0x77] * 8]
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["rows16", "cols16", "tensor", "row_each", "tile16"])
+def test_fp4_cast_takes_the_layouts_nvfp4_uses(in_dtype, layout, monkeypatch):
+    """NVFP4's 1×16 blocks packed along the row, 16×1 blocks (a scale per element of the row) packed
+    down the columns, one scale, one per row, 16×16 tiles: each against the eager codes, also from a
+    non-contiguous input."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(256, 384, generator=g) * 3).to(in_dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
+    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    xs, s, dim = {
+        "rows16": (x.view(256, 24, 16), rand(256, 24, 1), -1),
+        "cols16": (x.view(16, 16, 384), rand(16, 1, 384), -2),
+        "tensor": (x, rand(()), -1),
+        "row_each": (x, rand(256)[:, None], -2),
+        "tile16": (x.view(16, 16, 384), rand(16, 1, 24).repeat_interleave(16, dim=2), -2),
+    }[layout]
+    want = _fp4_eager(xs, s, dim)
+    assert torch.equal(native.scale_cast_fp4(xs, s, dim), want)
+    xt = xs.transpose(0, -1).contiguous().transpose(0, -1)
+    assert torch.equal(native.scale_cast_fp4(xt, s, dim), want)
+
+
+def test_fp4_cast_declines_to_torch_where_the_c_loop_does_not_apply():
+    """Rows not a whole number of 16-lane groups, no C loop for the operands: torch's rule runs, with
+    the same bytes; a dim other than -1 or -2, or of odd size, is an error."""
+    g = torch.Generator().manual_seed(9)
+    for x, dim in [(torch.randn(8, 24, generator=g) * 4, -1), (torch.randn(8, 24, generator=g) * 4, -2),
+                   (torch.randn(4, 32, generator=g).double() * 4, -1)]:
+        assert native._scale_cast_fp4_native(native._library(), x, None, dim) is None
+        assert torch.equal(native.scale_cast_fp4(x, torch.tensor(1.5), dim), _fp4_eager(x, torch.tensor(1.5), dim))
+    for x, dim in [(torch.zeros(4, 16), 0), (torch.zeros(7, 16), -2), (torch.zeros(4, 15), -1), (torch.zeros(16), -2)]:
+        with pytest.raises(ValueError, match="dim -1 or -2 of even size"):
+            native.scale_cast_fp4(x, None, dim)
+
+
+def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
+    """Where the library is built, a compiled NVFP4 quantize packs its data through the C loop, both
+    usages, and the bytes are the eager ones."""
+    if not native.available():
+        pytest.skip("no native library: the graphs keep torch's cast")
+    calls = []
+    real = native._scale_cast_fp4_native
+    monkeypatch.setattr(native, "_scale_cast_fp4_native", lambda *a: calls.append(a[3]) or real(*a))
+    from te_serial import NVFP4Quantizer
+    q = NVFP4Quantizer(rowwise=True, columnwise=True)
+    x = torch.randn(256, 512, dtype=torch.bfloat16)
+    with fused.policy("fused"):
+        got = q.quantize(x)
+    with fused.policy("eager"):
+        want = q.quantize(x)
+    assert sorted(calls) == [-2, -1]
     for k, b in want.buffers().items():
         assert torch.equal(got.buffers()[k].view(torch.uint8), b.view(torch.uint8)), k

@@ -74,14 +74,21 @@ def _e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     return nx.scale_and_cast_to_fp8(v, None, torch.float8_e4m3fn).view(torch.uint8)
 
 
-def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of x2 [R, C] (any shape in x2's order) packed two per byte for blocks along ``along``:
-    rowwise (packed [R, C/2], scales as given), or columnwise (packed [C, R/2], scales transposed)."""
-    if along == 1:  # packed per block: a compiled graph has no K == 16 · (K // 16) to prove
-        return nx.pack_fp4(codes).reshape(r, -1), scales
-    # pairs of rows packed within blocks of 16 rows (no modulo in a compiled graph's indexing)
-    packed = nx.pack_fp4(codes.reshape(r // BLOCK, BLOCK, -1), dim=1)
+def _laid_out(packed: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data packed two per byte along the blocks of x2 [R, C] in x2's order ([R, C/2] bytes, or
+    [R/2, C] for blocks along ``along`` = 0) and its scales as the usage keeps them: rowwise as
+    they are, columnwise transposed ([C, R/2] bytes, scales transposed)."""
+    if along == 1:
+        return packed.reshape(r, -1), scales
     return transpose_bytes(packed.reshape(r // 2, -1)), scales.t()
+
+
+def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_laid_out` of one-byte codes of x2 [R, C] (any shape in x2's order), packed here:
+    per block along the rows (a compiled graph has no K == 16 · (K // 16) to prove), or pairs of
+    rows within blocks of 16 rows (no modulo in a compiled graph's indexing)."""
+    packed = nx.pack_fp4(codes) if along == 1 else nx.pack_fp4(codes.reshape(r // BLOCK, BLOCK, -1), dim=1)
+    return _laid_out(packed, scales, along, r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,36 +263,53 @@ class NVFP4Quantizer(Quantizer):
         """Quantize x2 [R, C] in blocks of 16 along dim ``along`` with the tensor amax (row-scaled:
         one per row, [R]). ``along=1`` (rowwise): (packed data [R, C/2], scales [R, C/16]);
         ``along=0`` (columnwise, blocks down the columns): the same for x2ᵀ, (packed [C, R/2],
-        scales [C, R/16]), read in x2's own order and transposed once as codes (a compiled graph
-        then loads contiguously; a transposed read of the input ran scalar). ``args``: ``_kernel_args``;
-        ``given``: x2's block maxima, taken ahead of a compiled graph."""
-        return _packed(*self._block_codes(x2, amax, args, along, given), along, x2.shape[0])
+        scales [C, R/16]), read in x2's own order and transposed once as packed bytes (a compiled
+        graph then loads contiguously; a transposed read of the input ran scalar). ``args``:
+        ``_kernel_args``; ``given``: x2's block maxima, taken ahead of a compiled graph."""
+        if self.nvfp4_use_4over6:  # codes chosen block by block between two candidates
+            return _packed(*self._block_codes(x2, amax, args, along, given), along, x2.shape[0])
+        blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
+        data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
+        return _laid_out(data, s_b, along, x2.shape[0])
 
-    def _block_codes(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None,
-                     along: int, given: BlockAmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_encode` before packing: (codes, one byte each, in x2's order as [R, C/16, 16] or
-        [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
+    def _scaled_blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x2 as blocks ([R, C/16, 16], or [R/16, 16, C] for ``along`` = 0), each block's encoding
+        scale broadcastable to them, and the E4M3 block scales [R, C/16] or [R/16, C] (not 4over6).
+        compute_decoding_scaling_factor: s_b = e4m3(block_amax · (S_enc · (1/6))); the data is
+        e2m1(x · min(1 / (s_b · (1 / S_enc)), FLT_MAX))."""
+        blocks, bd, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
+        s_dec = nx.reciprocal(s_enc)
+        inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
+        s_b = _e4m3_bytes(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX))
+        s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
+        enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
+        return blocks, nx.per_block(enc).unsqueeze(bd), s_b
+
+    def _blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None
+                ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x2 as blocks, the dim of a block's 16 elements in them, the block maxima, the amax as
+        [1, 1] or [R, 1], S_enc) for blocks along dim ``along``."""
         r, c = x2.shape
-        bd = 2 if along == 1 else 1                   # the dim of a block's 16 elements
+        bd = 2 if along == 1 else 1
         blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
         if self.with_2d_quantization:
             block_amax = blocks_amax(x2, BLOCK, BLOCK, given).repeat_interleave(BLOCK, dim=1 - along)
         else:
             block_amax = blocks_amax(x2, 1, BLOCK, given) if along == 1 else blocks_amax(x2, BLOCK, 1, given)
         amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row (rowwise only)
-        s_enc = global_encode_scale(amax, self.nvfp4_e4m3_max)
+        return blocks, bd, block_amax, amax, global_encode_scale(amax, self.nvfp4_e4m3_max)
+
+    def _block_codes(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None,
+                     along: int, given: BlockAmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_encode` before packing: (codes, one byte each, in x2's order as [R, C/16, 16] or
+        [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
         if self.nvfp4_use_4over6:
-            codes, s_b = self._select_4over6(blocks.float(), block_amax, amax, s_enc,
-                                             args or self._kernel_args(x2.device), bd)
-        else:
-            s_dec = nx.reciprocal(s_enc)
-            inv6 = torch.tensor(1.0 / nx.FP4_MAX, dtype=torch.float32, device=x2.device)
-            # compute_decoding_scaling_factor: e4m3(block_amax * (S_enc * (1/6)))
-            s_b = _e4m3_bytes(torch.clamp(block_amax * (s_enc * inv6), max=nx.FP32_MAX))
-            s_b_f = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
-            enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
-            codes = nx.cast_to_fp4_codes(blocks.float() * nx.per_block(enc).unsqueeze(bd))
-        return codes, s_b
+            blocks, bd, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
+            return self._select_4over6(blocks.float(), block_amax, amax, s_enc,
+                                       args or self._kernel_args(x2.device), bd)
+        blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
+        return nx.cast_to_fp4_codes(blocks.float() * enc), s_b
 
     def _kernel_args(self, device):
         # 4over6 divides by 6 and by 6 · e4m3_max: kernel inputs, so that a compiled graph keeps them
@@ -391,7 +415,9 @@ class NVFP4Quantizer(Quantizer):
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
             out["_amax_rowwise"] = amax
             return out
-        if self.rowwise and self.columnwise and self._usages_transposed():  # one set of codes, packed both ways
+        if self.rowwise and self.columnwise and self._usages_transposed() and not torch.compiler.is_compiling():
+            # one set of codes, packed both ways (compiled, each usage casts on its own: the C loop
+            # reads the input twice faster than the graph packs one set of codes twice)
             codes, s_b = self._block_codes(xc, amax, args, 1, given)
             out["_rowwise_data"], out["_rowwise_scale_inv"] = _packed(codes, s_b, 1, xc.shape[0])
             grid = s_b[::BLOCK].repeat_interleave(BLOCK, dim=1)  # the tiles' scales spread down the columns

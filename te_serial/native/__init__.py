@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "scale_cast_fp8", "available", "cache_dir"]
+__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "scale_cast_fp8", "scale_cast_fp4", "available",
+           "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -120,6 +121,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_block_amax_u16.restype = i32
                 lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, i32, i32] + [i64] * 7 + [i32, i32]
                 lib.te_serial_scale_cast_fp8.restype = i32
+                lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
+                lib.te_serial_scale_cast_fp4.restype = i32
                 _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -222,9 +225,9 @@ def _cast_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tupl
     return tuple(n for n, _ in outer) + (inner[0],), tuple(st for _, st in outer) + (inner[1],)
 
 
-def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | None,
-                       fp8_dtype: torch.dtype) -> torch.Tensor | None:
-    """The C cast, or None where it does not take the operands (then torch's ops run)."""
+def _cast_operands(x: torch.Tensor, scale: torch.Tensor | None) -> tuple | None:
+    """(input kind, contiguous x, fp32 scale, shape, scale strides) as the C casts take them, or None
+    where they do not (then torch's ops run)."""
     kind = _IN_KINDS.get(x.dtype)
     if kind is None or x.device.type != "cpu":
         return None
@@ -238,8 +241,16 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
     layout = _cast_layout(tuple(x.shape), tuple(s.stride()))
     if layout is None:
         return None
-    shape, strides = layout
-    x = x.contiguous()
+    return kind, x.contiguous(), s, *layout
+
+
+def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | None,
+                       fp8_dtype: torch.dtype) -> torch.Tensor | None:
+    """The C cast, or None where it does not take the operands (then torch's ops run)."""
+    got = _cast_operands(x, scale)
+    if got is None:
+        return None
+    kind, x, s, shape, strides = got
     y = torch.empty(x.shape, dtype=torch.uint8)
     n, outer = shape[3], shape[0] * shape[1] * shape[2]
     if x.numel():
@@ -275,3 +286,53 @@ def scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch
     left after merging, a scale varying along x's last dim other than element by element) the eager
     rule runs."""
     return _scale_cast_fp8(x, scale, fp8_dtype == torch.float8_e5m2)
+
+
+def _fp4_packed_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return shape[:-1] + (shape[-1] // 2,) if dim == -1 else shape[:-2] + (shape[-2] // 2, shape[-1])
+
+
+def _scale_cast_fp4_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | None,
+                           dim: int) -> torch.Tensor | None:
+    """The C E2M1 cast, or None where it does not take the operands (then torch's ops run)."""
+    if x.shape[-1] % 16:
+        return None  # rows of whole 16-lane groups (so no trailing dim of 1 is dropped)
+    got = _cast_operands(x, scale)
+    if got is None:
+        return None
+    kind, x, s, shape, strides = got
+    y = torch.empty(_fp4_packed_shape(tuple(x.shape), dim), dtype=torch.uint8)
+    outer = shape[0] * shape[1] * shape[2]
+    if x.numel():
+        if lib.te_serial_scale_cast_fp4(x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, shape[3], *shape[:3], *strides,
+                                        int(dim == -2), _threads(outer // 2, x.numel() * x.element_size(), 1)):
+            return None
+    return y
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp4", mutates_args=())
+def _scale_cast_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+    if x.device.type == "cpu":
+        lib = _library()
+        if lib is not None:
+            y = _scale_cast_fp4_native(lib, x, scale, dim)
+            if y is not None:
+                return y
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    return numerics.scale_and_cast_to_fp4(x, scale, dim)
+
+
+@_scale_cast_fp4.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+    return x.new_empty(_fp4_packed_shape(tuple(x.shape), dim), dtype=torch.uint8)
+
+
+def scale_cast_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int = -1) -> torch.Tensor:
+    """E2M1 codes of ``fp32(x) * scale`` (round to nearest even, saturated at ±6, NaN +6), packed two
+    per byte along ``dim`` (-1: neighbours in a row; -2: the same element of neighbouring rows),
+    element 2i in the low nibble: ``numerics.scale_and_cast_to_fp4``, on CPU through the C loop; an
+    opaque op inside a compiled graph. Where the C loop does not take the operands the eager rule runs."""
+    if dim not in (-1, -2) or x.dim() < -dim or x.shape[dim] % 2:
+        raise ValueError(f"scale_cast_fp4 packs pairs along dim -1 or -2 of even size, got dim {dim} of "
+                         f"shape {tuple(x.shape)}")
+    return _scale_cast_fp4(x, scale, dim)

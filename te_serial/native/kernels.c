@@ -144,6 +144,8 @@ typedef float f32v __attribute__((vector_size(4 * LANES)));
 typedef uint32_t u32v __attribute__((vector_size(4 * LANES)));
 typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
 typedef uint8_t u8v __attribute__((vector_size(LANES)));
+typedef uint64_t u64v __attribute__((vector_size(4 * LANES)));
+typedef uint8_t u8v8 __attribute__((vector_size(LANES / 2)));
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -160,16 +162,20 @@ static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) {
                                          (__m512i)y, (__m512i)x);
 }
 static inline u8v low_bytes(u32v a) { return (u8v)_mm512_cvtepi32_epi8((__m512i)a); }  /* each lane's low byte */
+static inline u8v8 low_bytes64(u64v a) { __m128i b = _mm512_cvtepi64_epi8((__m512i)a); u8v8 r; memcpy(&r, &b, 8); return r; }
 #else
 static inline u32v select_gt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a > t); return (m & x) | (~m & y); }
 static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a < t); return (m & x) | (~m & y); }
 static inline u8v low_bytes(u32v a) { return __builtin_convertvector(a, u8v); }
+static inline u8v8 low_bytes64(u64v a) { return __builtin_convertvector(a, u8v8); }
 #endif
 
-/* The FP8 codes of v for a type with `mbits` mantissa bits, exponent bias `bias` and largest finite
- * value `maxv` (E4M3: 3, 7, 448; E5M2: 2, 15, 57344). |v| above maxv, inf included, saturates to
- * maxv's code: what clamping to [-maxv, maxv] before rounding gives. Constant arguments fold. */
-static inline u8v fp8_codes(f32v v, const int mbits, const int bias, const float maxv) {
+/* The codes of v in a small float type of `width` bits (sign on top) with `mbits` mantissa bits,
+ * exponent bias `bias` and largest finite value `maxv`: E4M3 (8, 3, 7, 448), E5M2 (8, 2, 15, 57344),
+ * E2M1 (4, 1, 1, 6). |v| above maxv, inf included, saturates to maxv's code: what clamping to
+ * [-maxv, maxv] before rounding gives. NaN gives `nan_code`. Constant arguments fold. */
+static inline u32v float_codes(f32v v, const int width, const int mbits, const int bias, const float maxv,
+                               const uint32_t nan_code) {
     const int drop = 23 - mbits;                                       /* fp32 mantissa bits dropped */
     const uint32_t min_normal = (uint32_t)(127 + 1 - bias) << 23;      /* the type's smallest normal */
     const uint32_t magic = (uint32_t)(127 + 1 - bias - mbits + 23) << 23;  /* its ulp at fp32's last bit */
@@ -178,8 +184,8 @@ static inline u8v fp8_codes(f32v v, const int mbits, const int bias, const float
     u32v sub = (u32v)((f32v)a + u2f(magic)) - magic;
     u32v nor = (a - rebias + ((1u << (drop - 1)) - 1u) + ((a >> drop) & 1u)) >> drop;
     u32v r = select_lt(a, min_normal, sub, nor);
-    r = select_gt(a, max_bits, (u32v){} + ((max_bits - rebias) >> drop), r) | ((b >> 24) & 0x80u);
-    return low_bytes(select_gt(a, 0x7F800000u, (u32v){} + 0x7Fu, r));
+    r = select_gt(a, max_bits, (u32v){} + ((max_bits - rebias) >> drop), r) | ((b >> (32 - width)) & (1u << (width - 1)));
+    return select_gt(a, 0x7F800000u, (u32v){} + nan_code, r);
 }
 
 static inline f32v load_bf16(const uint16_t *p) {
@@ -195,8 +201,10 @@ typedef _Float16 f16v __attribute__((vector_size(2 * LANES)));
 static inline f32v load_f16(const _Float16 *p) { f16v h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, f32v); }
 #endif
 
-#define TO_E4M3(v) fp8_codes((v), 3, 7, 448.0f)
-#define TO_E5M2(v) fp8_codes((v), 2, 15, 57344.0f)
+/* NaN: 0x7F, the canonical code the eager path writes; E2M1 NaN: +6, as the PTX cvt (cuda_fp4.hpp) */
+#define TO_E4M3(v) low_bytes(float_codes((v), 8, 3, 7, 448.0f, 0x7Fu))
+#define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
+#define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
 
 #define CAST_ROW(NAME, T, LOAD, TO)                                                               \
     /* LANES elements from x, times the scales sv, to y */                                       \
@@ -249,6 +257,69 @@ CAST_ROW(cast_f32_e5m2, float, load_f32, TO_E5M2)
 CAST_ROW(cast_f16_e4m3, _Float16, load_f16, TO_E4M3)
 CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
 #endif
+
+/* E2M1 codes of fp32(x) * scale, two per byte (element 2i in the low nibble), rounded to nearest
+ * even and saturated at ±6: NVFP4's data, numerics.scale_and_cast_to_fp4 by the same rule as the FP8
+ * casts. Rows of n (a multiple of LANES) laid out and scaled as for the FP8 cast; the pairs are two
+ * neighbours in a row (`rows` 0: each row's n codes into n / 2 bytes) or the same element of two
+ * neighbouring rows (`rows` 1: rows 2i and 2i + 1 into one row of n bytes, i.e. along dim -2). */
+#define CAST_FP4(NAME, T, LOAD)                                                                   \
+    static inline f32v NAME##_scales(const float *s, int sj) { return sj ? load_f32(s) : (f32v){} + s[0]; } \
+    static void NAME(const void *xv, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
+                     int64_t s0, int64_t s1, int64_t s2, int sj, int rows, int64_t o0, int64_t o1) { \
+        const T *x = xv;                                                                          \
+        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        for (int64_t o = o0; o < o1; o += 1 + rows) {                                             \
+            const float *sa = scale + i0 * s0 + i1 * s1 + i2 * s2, *sb = sa;                      \
+            if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                         \
+            if (rows) {                                                                           \
+                sb = scale + i0 * s0 + i1 * s1 + i2 * s2;                                         \
+                if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                     \
+                for (int64_t j = 0; j < n; j += LANES) {                                          \
+                    u32v lo = TO_E2M1(LOAD(x + o * n + j) * NAME##_scales(sa + j * sj, sj));      \
+                    u32v hi = TO_E2M1(LOAD(x + (o + 1) * n + j) * NAME##_scales(sb + j * sj, sj)); \
+                    u8v q = low_bytes(lo | (hi << 4));                                            \
+                    memcpy(y + o / 2 * n + j, &q, LANES);                                         \
+                }                                                                                 \
+            } else {                                                                              \
+                for (int64_t j = 0; j < n; j += LANES) {                                          \
+                    u64v w = (u64v)TO_E2M1(LOAD(x + o * n + j) * NAME##_scales(sa + j * sj, sj)); \
+                    u8v8 q = low_bytes64(w | (w >> 28));  /* lane 2i's code, lane 2i + 1's above it */ \
+                    memcpy(y + (o * n + j) / 2, &q, LANES / 2);                                   \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+CAST_FP4(fp4_bf16, uint16_t, load_bf16)
+CAST_FP4(fp4_f32, float, load_f32)
+#if defined(__FLT16_MAX__)
+CAST_FP4(fp4_f16, _Float16, load_f16)
+#endif
+
+/* in_kind: 0 bf16, 1 fp16, 2 fp32. Returns 0, or -1 for a kind not built or n not a multiple of
+ * LANES (the callers then run torch's ops). With `rows`, d0 * d1 * d2 is even (pairs of rows). */
+int te_serial_scale_cast_fp4(const void *x, const float *scale, uint8_t *y, int in_kind, int64_t n,
+                             int64_t d0, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
+                             int rows, int threads) {
+    typedef void (*cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int, int, int64_t, int64_t);
+    cast_fn fn;
+    switch (in_kind) {
+    case 0: fn = fp4_bf16; break;
+#if defined(__FLT16_MAX__)
+    case 1: fn = fp4_f16; break;
+#endif
+    case 2: fn = fp4_f32; break;
+    default: return -1;
+    }
+    int64_t outer = d0 * d1 * d2, step = rows_per_thread(outer, 2, threads);
+    if (n % LANES || (rows && outer % 2)) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t o0 = 0; o0 < outer; o0 += step)
+        fn(x, scale, y, n, d1, d2, s0, s1, s2, sj, rows, o0, o0 + step < outer ? o0 + step : outer);
+    return 0;
+}
 
 /* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. Returns 0, or -1 for a kind not built. */
 int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int in_kind, int e5m2, int64_t n,
