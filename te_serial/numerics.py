@@ -11,6 +11,7 @@ import sys
 import torch
 
 from . import native
+from .tracing import tracing
 
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -59,7 +60,7 @@ def nan_ignoring_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch
             return torch.zeros((), dtype=torch.float32, device=x.device)
         return torch.zeros_like(x, dtype=torch.float32).sum(dim=dim, keepdim=keepdim)
     a = x.abs()
-    if torch.compiler.is_compiling():  # compiled graphs see NaN-free inputs only (``formats.fused``)
+    if tracing():  # compiled graphs see NaN-free inputs only (``formats.fused``)
         return (a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)).float()
     m = a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
     if bool(isnan(m).any()):
@@ -84,7 +85,7 @@ def per_blocks(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     vector of elements in the cast loop (2-4x slower). Scales given together are all ready before
     any cast that uses them, so the casts can share one loop over the input. The identity, with no
     copy, when eager."""
-    return tuple(_per_block(list(xs))) if torch.compiler.is_compiling() else xs
+    return tuple(_per_block(list(xs))) if tracing() else xs
 
 
 def per_block(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,7 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
     on CUDA). The eager path keeps torch's conversion, so the fused table compares the two.
     """
     m = FP8_MAX[fp8_dtype]
-    if torch.compiler.is_compiling():  # out of place: in-place ops stop inductor's fusion
+    if tracing():  # out of place: in-place ops stop inductor's fusion
         if x.device.type == "cpu" and native.available():
             return native.scale_cast_fp8(x, scale, fp8_dtype)  # the C loop: the same roundings, faster
         y = x.float() * scale if scale is not None else x.float()
@@ -207,7 +208,7 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     a = x.abs()
     passed = ((a > t) if tie_below else (a >= t) for t, tie_below in E2M1_STEPS)  # one mask at a time
-    if torch.compiler.is_compiling():  # int32 lanes vectorize (uint8 ones do not); no NaN here (``formats.fused``)
+    if tracing():  # int32 lanes vectorize (uint8 ones do not); no NaN here (``formats.fused``)
         mag = sum(p.to(torch.int32) for p in passed)
         return (mag | ((x.view(torch.int32) < 0).to(torch.int32) << 3)).to(torch.uint8)
     mag = torch.zeros_like(a, dtype=torch.uint8)
@@ -227,7 +228,7 @@ def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
     Inductor vectorizes that, and a table lookup is a gather (2.5x slower). Eager, the lookup is
     one pass where the bit arithmetic is eight (1.7x faster). Both give the same bits.
     """
-    if not torch.compiler.is_compiling():
+    if not tracing():
         table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=codes.device)
         mag = table[(codes & 0x7).long()]
         return torch.where((codes & 0x8) != 0, -mag, mag)
@@ -258,7 +259,7 @@ def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int 
     ``dim`` (-1 or -2, :func:`pack_fp4`): NVFP4's data step. Compiled on CPU, the C loop of
     ``native.scale_cast_fp4`` (the same product and roundings, 16 lanes at a time, packed as it
     goes); else :func:`cast_to_fp4_codes` and :func:`pack_fp4`, which the fused table compares it to."""
-    if torch.compiler.is_compiling() and x.device.type == "cpu" and native.available():
+    if tracing() and x.device.type == "cpu" and native.available():
         return native.scale_cast_fp4(x, scale, dim)
     return pack_fp4(cast_to_fp4_codes(x.float() * scale if scale is not None else x.float()), dim=dim)
 

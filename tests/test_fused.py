@@ -177,50 +177,60 @@ def test_nan_inputs_run_eager_and_infinities_compile():
 
 
 def test_threads_quantize_at_once():
-    """Quantizing from worker threads (a user's pool) while graphs of other formats exist: worker
-    threads run eager (compiled graphs called there gave wrong bytes), compile nothing, and every
-    result has the eager bytes."""
+    """Quantizing from 4 worker threads (a user's pool), with the graphs first compiled there while
+    the other threads run: every result has the eager bytes, and the one shape class compiles once
+    (tools/repro_worker_threads.py runs the longer version of this)."""
     import concurrent.futures
     q = ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, amax_epsilon=1e-7)  # no other test
-    xs = [make_input("random", (256 + 128 * (i % 3), 512), torch.bfloat16, seed=40 + i) for i in range(8)]
+    xs = [make_input(kind, (256 + 128 * (i % 3), 512), torch.bfloat16, seed=40 + i)
+          for i, kind in enumerate(["random", "specials", "outliers", "random"] * 2)]
+    want = [q.quantize(x, eager=True) for x in xs]
 
     def work(x):
         with compiled_only():
             return q.quantize(x)
-    with compiled_only():  # another format's graph exists (the case that went wrong)
-        ts.Float8CurrentScalingQuantizer(torch.float8_e5m2, amax_epsilon=3e-6).quantize(xs[0])
     before = fused.compile_count()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(work, xs))
-    assert fused.compile_count() == before
-    for x, t in zip(xs, got):
-        assert_same_buffers(t.buffers(), q.quantize(x, eager=True).buffers(), "threaded")
+    assert fused.compile_count() == before + 1
+    for i, (t, w) in enumerate(zip(got, want)):
+        assert_same_buffers(t.buffers(), w.buffers(), f"tensor {i}, worker thread")
 
 
-def test_main_thread_compiles_right_while_workers_run_torch():
-    """convert computes on the main thread while its reader and writer threads run torch work: the
-    compiled graphs' bytes stay right with another thread quantizing eagerly and reducing at once
-    (the wrong bytes seen came from graphs called on worker threads, which now run eager)."""
-    q = ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, amax_epsilon=2e-7)  # no other test
-    xs = [make_input("random", (256 + 128 * (i % 3), 512), torch.bfloat16, seed=60 + i) for i in range(6)]
-    want = [q.quantize(x, eager=True) for x in xs]
-    stop = threading.Event()
+def test_other_threads_run_eager_code_while_one_compiles():
+    """torch.compiler.is_compiling() is process-wide: it is True in every thread while one compiles.
+    The eager numerics must not take their compiled branches then (the cause of the wrong bytes once
+    seen from worker threads): te_serial.tracing.tracing() is per thread, and a quantize in another
+    thread meanwhile gives the eager bytes, NaN handling included."""
+    from te_serial.tracing import tracing
+    qs = [ts.MXFP8Quantizer(torch.float8_e4m3fn), ts.NVFP4Quantizer(),
+          ts.Float8CurrentScalingQuantizer(torch.float8_e5m2), ts.Float8BlockQuantizer(torch.float8_e4m3fn)]
+    x = make_input("specials", (256, 512), torch.bfloat16, seed=3)
+    want = [q.quantize(x, eager=True).buffers() for q in qs]
+    compiling, checked, seen = threading.Event(), threading.Event(), {}
 
-    def noise():
-        y = torch.randn(1024, 1024)
-        while not stop.is_set():
-            q.quantize(xs[0], eager=True)
-            torch.aminmax(y)
-    worker = threading.Thread(target=noise)
-    worker.start()
-    try:
-        with compiled_only():
-            for _ in range(5):
-                for i, (x, w) in enumerate(zip(xs, want)):
-                    assert_same_buffers(q.quantize(x).buffers(), w.buffers(), f"tensor {i}, main thread")
-    finally:
-        stop.set()
-        worker.join()
+    def backend(gm, example_inputs):  # runs inside the compile session, in the compiling thread
+        seen["in the compiling thread"] = tracing()
+        compiling.set()
+        checked.wait(120)
+        return gm.forward
+
+    def other():
+        compiling.wait(120)
+        try:
+            seen["torch's flag"], seen["tracing"] = torch.compiler.is_compiling(), tracing()
+            seen["buffers"] = [q.quantize(x, eager=True).buffers() for q in qs]
+        finally:
+            checked.set()
+    thread = threading.Thread(target=other)
+    thread.start()
+    torch.compile(lambda a: a * 2, backend=backend, fullgraph=True)(torch.ones(3))
+    thread.join()
+    assert seen["in the compiling thread"] is True
+    assert seen["torch's flag"] is True, "torch's flag is no longer process-wide: the case is gone"
+    assert seen["tracing"] is False
+    for q, got, w in zip(qs, seen["buffers"], want):
+        assert_same_buffers(got, w, f"{q.kind} in another thread during a compile")
 
 
 def test_eager_switches_compile_nothing(monkeypatch):

@@ -27,14 +27,11 @@ per lossy output) through :func:`run` too. This module owns the policy around th
   sees a NaN, so its kernels need no NaN masks or canonicalizing selects, which would stop
   inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
-* **main thread only**: called from worker threads, the compiled graphs of this module returned
-  wrong data buffers (scales right). ``tools/repro_worker_threads.py`` shows it: with 4 worker
-  threads calling graphs that are first compiled there, some data buffers differ from the eager
-  bytes in almost every byte; with the graphs compiled on the main thread first, or with one
-  worker, none do. It persists without the native kernels, with one inductor compile thread, and
-  with the amax pass under the call lock. Root cause not found. Worker threads therefore run the
-  eager code, whose bytes are right everywhere; convert's reader and writer threads never call
-  graphs, and graphs on the main thread stayed right while workers ran eager work at once.
+* **any thread**: calls from several threads take turns on the compiled graphs (one call at a time,
+  which uses every core anyway). The formats' code asks :func:`te_serial.tracing.tracing` whether it
+  is being traced, not ``torch.compiler.is_compiling()``, which is True in every thread while one
+  thread compiles: eager code running meanwhile in another thread took the compiled branches and
+  gave wrong bytes (``tools/repro_worker_threads.py``; graphs were main-thread-only until then).
 * **fallback**: where compiling fails (no C++ compiler, a dtype the backend lacks) the eager path
   runs and one warning per (function, format, device, dtype) says why; that key stays eager.
 
@@ -53,6 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import native
+from ..tracing import tracing
 
 __all__ = ["NUMERICS", "MIN_NUMEL", "EAGER_ENV", "TENSOR_AMAX", "ROW_BLOCK_AMAX", "COL_BLOCK_AMAX", "policy",
            "current_policy", "wants_fused", "nan_free_amaxes", "run", "compile_count", "failures", "forget_failures"]
@@ -114,10 +112,8 @@ def current_policy(eager: bool | None = None) -> str:
 def wants_fused(numel: int, device: torch.device, fusable: bool, eager: bool | None = None) -> bool:
     """Whether an op on a tensor of ``numel`` elements on ``device`` should run compiled
     (``fusable``: the quantizer's kernels compile exactly)."""
-    if torch.compiler.is_compiling() or not fusable or device.type not in ("cpu", "cuda"):
+    if tracing() or not fusable or device.type not in ("cpu", "cuda"):
         return False  # inside a caller's graph the eager code is traced into it
-    if threading.current_thread() is not threading.main_thread():
-        return False  # compiled graphs called from worker threads gave wrong bytes once another graph existed
     mode = current_policy(eager)
     return mode == "fused" or (mode == "auto" and numel >= MIN_NUMEL)
 

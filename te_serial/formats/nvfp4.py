@@ -29,6 +29,7 @@ import torch
 from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
 from ..native import transpose_bytes
+from ..tracing import tracing
 from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, blocks_amax, flatten_2d, require_divisible, spread_scales)
 from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
@@ -415,7 +416,7 @@ class NVFP4Quantizer(Quantizer):
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
             out["_amax_rowwise"] = amax
             return out
-        if self.rowwise and self.columnwise and self._usages_transposed() and not torch.compiler.is_compiling():
+        if self.rowwise and self.columnwise and self._usages_transposed() and not tracing():
             # one set of codes, packed both ways (compiled, each usage casts on its own: the C loop
             # reads the input twice faster than the graph packs one set of codes twice)
             codes, s_b = self._block_codes(xc, amax, args, 1, given)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from ..tracing import tracing
+
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "scale_cast_fp8", "scale_cast_fp4", "available",
            "cache_dir"]
 
@@ -191,7 +193,7 @@ def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, boo
     than 1, M or K not a multiple of b, or no element."""
     inf_bits = _INF_BITS.get(x.dtype)
     if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
-            or x.shape[0] % b or x.shape[1] % b or torch.compiler.is_compiling()):
+            or x.shape[0] % b or x.shape[1] % b or tracing()):
         return None
     lib = _library()
     if lib is None:
