@@ -264,6 +264,24 @@ def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int 
     return pack_fp4(cast_to_fp4_codes(x.float() * scale if scale is not None else x.float()), dim=dim)
 
 
+def scale_and_cast_to_fp4_with_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor,
+                                     denom: torch.Tensor, mse: bool, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scale_and_cast_to_fp4`, and per 16 elements along ``dim`` the fp32 sum, in order, of
+    err(((q · sf) · amax) / denom − x) with q the codes' values and err |d|, or d² with ``mse``:
+    NVFP4 4over6's candidate codes and block errors (quantize_4over6_nvfp4.cuh). The sums keep
+    ``dim`` at a 16th of its size. Compiled on CPU, the C loop of ``native.scale_cast_fp4_error``."""
+    if tracing() and x.device.type == "cpu" and native.available():
+        return native.scale_cast_fp4_error(x, scale, sf, amax, denom, mse, dim)
+    xf = x.float()
+    codes = cast_to_fp4_codes(xf * scale)
+    d = fp4_codes_to_float(codes) * sf * amax / denom - xf
+    e = (d * d if mse else d.abs()).unflatten(dim, (-1, 16))  # the 16 terms of each sum on dim
+    err = e.select(dim, 0)
+    for i in range(1, 16):
+        err = err + e.select(dim, i)
+    return pack_fp4(codes, dim=dim), err
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes, each byte widened to a
     little-endian int16 holding (low nibble, high nibble) as its two bytes (no stack: fusable)."""

@@ -74,6 +74,25 @@ def test_bytes_and_values_equal_the_kernel_oracle(fields):
                     assert same_values(one.dequantize(torch.float32), got)
 
 
+#: compiled: one variant per code path of the candidates' casts (each costs graphs of its own): 1×16
+#: blocks (MSE), 16×16 tiles (MAE, both usages), a per-row amax (the C loop declines: torch's rule)
+FUSED_IDS = ["4over6-mse-448-1x16", "4over6-mae-256-16x16", "row_scaled-4over6-mae-256"]
+
+
+@pytest.mark.parametrize("fields", [FIELDS[IDS.index(i)] for i in FUSED_IDS], ids=FUSED_IDS)
+def test_compiled_bytes_equal_eager(fields):
+    """The compiled path (on CPU the C loop casting each candidate and summing its block errors)
+    gives the eager bytes, on every finite input kind and with NaN (run eager) among them."""
+    from te_serial.formats import fused
+    q = _q(fields)
+    for kind in INPUT_KINDS:
+        x = make_input(kind, (64, 96), torch.bfloat16, seed=21)
+        with fused.policy("fused"):
+            got = q(x)
+        assert_same_buffers(got.buffers(), q.quantize(x, eager=True).buffers(), f"{kind} compiled")
+    assert not fused.failures()
+
+
 @pytest.mark.skipif(te is None or te.reference_nvfp4 is None, reason="TE wheel without custom_recipes")
 @pytest.mark.parametrize("fields", FIELDS, ids=IDS)
 def test_bytes_equal_te_reference_quantizer(fields):

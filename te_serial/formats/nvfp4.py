@@ -268,9 +268,11 @@ class NVFP4Quantizer(Quantizer):
         graph then loads contiguously; a transposed read of the input ran scalar). ``args``:
         ``_kernel_args``; ``given``: x2's block maxima, taken ahead of a compiled graph."""
         if self.nvfp4_use_4over6:  # codes chosen block by block between two candidates
-            return _packed(*self._block_codes(x2, amax, args, along, given), along, x2.shape[0])
-        blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
-        data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
+            blocks, bd, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
+            data, s_b = self._select_4over6(blocks, block_amax, amax, s_enc, args or self._kernel_args(x2.device), bd)
+        else:
+            blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
+            data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
         return _laid_out(data, s_b, along, x2.shape[0])
 
     def _scaled_blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None
@@ -303,12 +305,8 @@ class NVFP4Quantizer(Quantizer):
 
     def _block_codes(self, x2: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor] | None,
                      along: int, given: BlockAmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_encode` before packing: (codes, one byte each, in x2's order as [R, C/16, 16] or
-        [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
-        if self.nvfp4_use_4over6:
-            blocks, bd, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
-            return self._select_4over6(blocks.float(), block_amax, amax, s_enc,
-                                       args or self._kernel_args(x2.device), bd)
+        """:meth:`_encode` before packing, not 4over6: (codes, one byte each, in x2's order as
+        [R, C/16, 16] or [R/16, 16, C], scales [R, C/16] or [R/16, C])."""
         blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
         return nx.cast_to_fp4_codes(blocks.float() * enc), s_b
 
@@ -324,8 +322,8 @@ class NVFP4Quantizer(Quantizer):
     def _select_4over6(self, x: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
                        s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
                        bd: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (codes shaped as x, scales
-        shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of x
+        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks,
+        scales shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of x
         ([R, C/16, 16], or [R/16, 16, C] with ``bd=1``: a block's 16 elements on dim ``bd``).
 
         Candidate scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))`` with
@@ -337,19 +335,16 @@ class NVFP4Quantizer(Quantizer):
         f32 = dict(dtype=torch.float32, device=x.device)
         base = block_amax / args["fp4_max"] * s_enc
         s_dec = nx.reciprocal(s_enc)
-        denom = args["err_denom"]
         fp8_max = nx.fp8_max(torch.float8_e4m3fn)
         out = []
         for b in (base * torch.tensor(1.5, **f32), base):  # map-to-4, map-to-6
             s_b = _e4m3_bytes(torch.clamp(b, max=fp8_max))
             sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
-            codes = nx.cast_to_fp4_codes(x * enc.unsqueeze(bd))
-            d = nx.fp4_codes_to_float(codes) * sf.unsqueeze(bd) * amax.unsqueeze(bd) / denom - x
-            e = d.abs() if self.nvfp4_4over6_err_mode == "MAE" else d * d
-            err = e.select(bd, 0)
-            for i in range(1, BLOCK):
-                err = err + e.select(bd, i)
+            data, err = nx.scale_and_cast_to_fp4_with_error(
+                x, nx.per_block(enc).unsqueeze(bd), sf.unsqueeze(bd), amax.unsqueeze(bd), args["err_denom"],
+                mse=self.nvfp4_4over6_err_mode == "MSE", dim=-1 if bd == 2 else -2)
+            err = err.squeeze(bd)
             if self.with_2d_quantization:  # reduce_group_sum_16 over a tile's 16 blocks: shfl_down by 8, 4, 2, 1
                 gd = 3 - bd                # blocks of one tile: 16 consecutive rows (bd=2) or columns (bd=1)
                 t = err.unflatten(gd - 1, (-1, BLOCK))
@@ -357,10 +352,13 @@ class NVFP4Quantizer(Quantizer):
                     h = t.shape[gd] // 2
                     t = t.narrow(gd, 0, h) + t.narrow(gd, h, h)
                 err = t.flatten(gd - 1, gd).repeat_interleave(BLOCK, dim=gd - 1)
-            out.append((codes, s_b, err))
-        (c4, s4, e4), (c6, s6, e6) = out
+            out.append((data, s_b, err))
+        (d4, s4, e4), (d6, s6, e6) = out
         pick4 = e4 < e6
-        return torch.where(pick4.unsqueeze(bd), c4, c6), torch.where(pick4, s4, s6)
+        if bd == 2:  # a block's 8 packed bytes as one int64: one select per block (a compiled loop of 8 bytes ran scalar)
+            return torch.where(pick4.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8), \
+                torch.where(pick4, s4, s6)
+        return torch.where(pick4.unsqueeze(bd), d4, d6), torch.where(pick4, s4, s6)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.

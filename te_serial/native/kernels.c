@@ -202,6 +202,9 @@ static inline f32v load_f16(const _Float16 *p) { f16v h; memcpy(&h, p, sizeof h)
 #endif
 
 /* NaN: 0x7F, the canonical code the eager path writes; E2M1 NaN: +6, as the PTX cvt (cuda_fp4.hpp) */
+/* LANES scales from s: each its own where sj, else s[0] for all */
+static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : (f32v){} + s[0]; }
+
 #define TO_E4M3(v) low_bytes(float_codes((v), 8, 3, 7, 448.0f, 0x7Fu))
 #define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
 #define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
@@ -264,7 +267,6 @@ CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
  * neighbours in a row (`rows` 0: each row's n codes into n / 2 bytes) or the same element of two
  * neighbouring rows (`rows` 1: rows 2i and 2i + 1 into one row of n bytes, i.e. along dim -2). */
 #define CAST_FP4(NAME, T, LOAD)                                                                   \
-    static inline f32v NAME##_scales(const float *s, int sj) { return sj ? load_f32(s) : (f32v){} + s[0]; } \
     static void NAME(const void *xv, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
                      int64_t s0, int64_t s1, int64_t s2, int sj, int rows, int64_t o0, int64_t o1) { \
         const T *x = xv;                                                                          \
@@ -276,14 +278,14 @@ CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
                 sb = scale + i0 * s0 + i1 * s1 + i2 * s2;                                         \
                 if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                     \
                 for (int64_t j = 0; j < n; j += LANES) {                                          \
-                    u32v lo = TO_E2M1(LOAD(x + o * n + j) * NAME##_scales(sa + j * sj, sj));      \
-                    u32v hi = TO_E2M1(LOAD(x + (o + 1) * n + j) * NAME##_scales(sb + j * sj, sj)); \
+                    u32v lo = TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj));      \
+                    u32v hi = TO_E2M1(LOAD(x + (o + 1) * n + j) * lanes_of(sb + j * sj, sj)); \
                     u8v q = low_bytes(lo | (hi << 4));                                            \
                     memcpy(y + o / 2 * n + j, &q, LANES);                                         \
                 }                                                                                 \
             } else {                                                                              \
                 for (int64_t j = 0; j < n; j += LANES) {                                          \
-                    u64v w = (u64v)TO_E2M1(LOAD(x + o * n + j) * NAME##_scales(sa + j * sj, sj)); \
+                    u64v w = (u64v)TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj)); \
                     u8v8 q = low_bytes64(w | (w >> 28));  /* lane 2i's code, lane 2i + 1's above it */ \
                     memcpy(y + (o * n + j) / 2, &q, LANES / 2);                                   \
                 }                                                                                 \
@@ -296,6 +298,116 @@ CAST_FP4(fp4_f32, float, load_f32)
 #if defined(__FLT16_MAX__)
 CAST_FP4(fp4_f16, _Float16, load_f16)
 #endif
+
+/* The value of each E2M1 code (magnitude index m in bits 0-2, sign in bit 3), built as fp32 bits:
+ * m >= 2 is 2^((m >> 1) - 1) * (1 + (m & 1) / 2), m = 1 is 0.5, m = 0 is 0. */
+static inline f32v e2m1_values(u32v c) {
+    u32v m = c & 7u;
+    u32v normal = (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
+    u32v v = select_gt(m, 1u, normal, select_gt(m, 0u, (u32v){} + (126u << 23), (u32v){}));
+    return (f32v)(v | ((c & 8u) << 28));
+}
+
+/* err(((q * sf) * amax) / denom - x) for codes c of x (q their values): |d|, or d * d with `mse` */
+static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, int mse) {
+    f32v d = ((e2m1_values(c) * sf) * amax) / denom - x;
+    return mse ? d * d : (f32v)((u32v)d & 0x7FFFFFFFu);
+}
+
+/* te_serial_scale_cast_fp4's codes with `enc` as the scale, and for each 16 of them along the
+ * packing dim the fp32 sum, in order, of e2m1_error with the decoding scales `sf` (laid out as
+ * enc): NVFP4 4over6's candidate codes and their block errors (quantize_4over6_nvfp4.cuh). `err`
+ * holds one sum per block: [outer, n / 16] packing along rows (blocks run along each row), or
+ * [outer / 16, n] packing pairs of rows (blocks of 16 rows, outer a multiple of 16). Along rows,
+ * 16 blocks go at a time, their errors transposed through a small buffer so that each lane sums
+ * one block's 16 terms in order. */
+#define CAST_FP4_ERR(NAME, T, LOAD)                                                               \
+    static void NAME(const void *xv, const float *enc, const float *sf, uint8_t *y, float *err,  \
+                     int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int rows, \
+                     float amax, float denom, int mse, int64_t o0, int64_t o1) {                  \
+        const T *x = xv;                                                                          \
+        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        if (rows) {                                                                               \
+            for (int64_t o = o0; o < o1; o += 16) {                                               \
+                int64_t off[16];                                                                  \
+                for (int k = 0; k < 16; k++) {                                                    \
+                    off[k] = i0 * s0 + i1 * s1 + i2 * s2;                                         \
+                    if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                 \
+                }                                                                                 \
+                for (int64_t j = 0; j < n; j += LANES) {                                          \
+                    f32v acc = {0};                                                               \
+                    for (int k = 0; k < 16; k += 2) {                                             \
+                        f32v xa = LOAD(x + (o + k) * n + j), xb = LOAD(x + (o + k + 1) * n + j);  \
+                        u32v ca = TO_E2M1(xa * lanes_of(enc + off[k] + j * sj, sj));              \
+                        u32v cb = TO_E2M1(xb * lanes_of(enc + off[k + 1] + j * sj, sj));          \
+                        acc += e2m1_error(xa, ca, lanes_of(sf + off[k] + j * sj, sj), amax, denom, mse); \
+                        acc += e2m1_error(xb, cb, lanes_of(sf + off[k + 1] + j * sj, sj), amax, denom, mse); \
+                        u8v q = low_bytes(ca | (cb << 4));                                        \
+                        memcpy(y + (o + k) / 2 * n + j, &q, LANES);                               \
+                    }                                                                             \
+                    memcpy(err + o / 16 * n + j, &acc, sizeof acc);                               \
+                }                                                                                 \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
+        const int64_t per_row = n / LANES, blocks = (o1 - o0) * per_row;                          \
+        int64_t k = 0, off = i0 * s0 + i1 * s1 + i2 * s2;                                         \
+        float terms[LANES][LANES];  /* terms[i][b]: the i-th error term of block b */             \
+        for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {                                          \
+            int nb = blocks - b0 < LANES ? (int)(blocks - b0) : LANES;                            \
+            for (int b = 0; b < nb; b++) {                                                        \
+                const int64_t at = o0 * n + (b0 + b) * LANES;  /* the block's first element */    \
+                f32v xb = LOAD(x + at);                                                           \
+                u32v c = TO_E2M1(xb * lanes_of(enc + off + k * LANES * sj, sj));                  \
+                f32v e = e2m1_error(xb, c, lanes_of(sf + off + k * LANES * sj, sj), amax, denom, mse); \
+                for (int i = 0; i < LANES; i++) terms[i][b] = e[i];                               \
+                u64v w = (u64v)c;                                                                 \
+                u8v8 q = low_bytes64(w | (w >> 28));                                              \
+                memcpy(y + at / 2, &q, LANES / 2);                                                \
+                if (++k == per_row) {                                                             \
+                    k = 0;                                                                        \
+                    if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                 \
+                    off = i0 * s0 + i1 * s1 + i2 * s2;                                            \
+                }                                                                                 \
+            }                                                                                     \
+            f32v acc = {0};                                                                       \
+            for (int i = 0; i < LANES; i++) acc += load_f32(terms[i]);                            \
+            memcpy(err + o0 * per_row + b0, &acc, (size_t)nb * sizeof(float));                    \
+        }                                                                                         \
+    }
+
+CAST_FP4_ERR(fp4_err_bf16, uint16_t, load_bf16)
+CAST_FP4_ERR(fp4_err_f32, float, load_f32)
+#if defined(__FLT16_MAX__)
+CAST_FP4_ERR(fp4_err_f16, _Float16, load_f16)
+#endif
+
+/* te_serial_scale_cast_fp4 with block errors (CAST_FP4_ERR): the same operands, plus `sf` (laid out
+ * as `scale`), `err`, amax, denom and mse. Returns 0, or -1 where it does not apply (as the cast,
+ * and packing pairs of rows needs the rows in whole blocks of 16). */
+int te_serial_scale_cast_fp4_error(const void *x, const float *scale, const float *sf, uint8_t *y, float *err,
+                                   int in_kind, int64_t n, int64_t d0, int64_t d1, int64_t d2, int64_t s0,
+                                   int64_t s1, int64_t s2, int sj, int rows, float amax, float denom, int mse,
+                                   int threads) {
+    typedef void (*cast_fn)(const void *, const float *, const float *, uint8_t *, float *, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int, int, float, float, int, int64_t, int64_t);
+    cast_fn fn;
+    switch (in_kind) {
+    case 0: fn = fp4_err_bf16; break;
+#if defined(__FLT16_MAX__)
+    case 1: fn = fp4_err_f16; break;
+#endif
+    case 2: fn = fp4_err_f32; break;
+    default: return -1;
+    }
+    int64_t outer = d0 * d1 * d2, step = rows_per_thread(outer, rows ? 16 : 1, threads);
+    if (n % LANES || (rows && outer % 16)) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t o0 = 0; o0 < outer; o0 += step)
+        fn(x, scale, sf, y, err, n, d1, d2, s0, s1, s2, sj, rows, amax, denom, mse, o0,
+           o0 + step < outer ? o0 + step : outer);
+    return 0;
+}
 
 /* in_kind: 0 bf16, 1 fp16, 2 fp32. Returns 0, or -1 for a kind not built or n not a multiple of
  * LANES (the callers then run torch's ops). With `rows`, d0 * d1 * d2 is even (pairs of rows). */
