@@ -162,6 +162,29 @@ def test_block_amax_is_torchs_amax_over_the_blocks(dtype, shape, b, monkeypatch)
         assert native.block_amax(y, b)[2], "a NaN went unseen"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (256, 4096), (1024, 2048)])
+def test_amax_is_torchs_and_spots_nan(dtype, shape, monkeypatch):
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # the larger shapes split between threads
+    g = torch.Generator().manual_seed(sum(shape))
+    info = torch.finfo(dtype)
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 16, shape, generator=g).float())).to(dtype)
+    for v in [-0.0, info.tiny / 4, -info.max, info.max, float("inf"), -float("inf")]:
+        y = x.clone()
+        y.view(-1)[(int(abs(v) * 7) % y.numel()) if abs(v) < 1e30 else -1] = v
+        amax, nan = native.amax(y)
+        assert not nan and amax.dtype == dtype and amax.shape == ()
+        assert torch.equal(amax, y.abs().amax()), v
+    for nan_value in (float("nan"), -float("nan")):
+        y = x.clone()
+        y.view(-1)[y.numel() // 2] = nan_value
+        assert native.amax(y)[1], "a NaN went unseen"
+    view = torch.zeros(64, 64, dtype=dtype)[:, :48]  # a row stride other than the row's length
+    view[5, 40] = -3.0
+    assert native.amax(view)[0].item() == 3.0
+    assert native.amax(x.float()) is None and native.amax(x.t() if shape[0] > 1 else x.view(-1)) is None
+
+
 def test_block_amax_declines_what_it_does_not_take():
     x = torch.ones(64, 64, dtype=torch.bfloat16)
     assert native.block_amax(x.float(), 32) is None          # 32-bit floats: torch reduces them

@@ -130,13 +130,19 @@ def nan_free_amaxes(x: torch.Tensor, block: int | None = None) -> dict[str, torc
     the input again (``Quantizer._tensor_amax``, the formats' ``_prepare``)."""
     if x.numel() == 0:
         return None
-    got = native.block_amax(x, block) if block else None
-    if got is not None:
-        rows, cols, nan = got
-        if nan:
-            return None
-        rows = rows.float()
-        return {TENSOR_AMAX: rows.amax(), ROW_BLOCK_AMAX: rows, COL_BLOCK_AMAX: cols.float()}
+    if block:
+        got = native.block_amax(x, block)
+        if got is not None:
+            rows, cols, nan = got
+            if nan:
+                return None
+            rows = rows.float()
+            return {TENSOR_AMAX: rows.amax(), ROW_BLOCK_AMAX: rows, COL_BLOCK_AMAX: cols.float()}
+    else:
+        got = native.amax(x)
+        if got is not None:
+            amax, nan = got
+            return None if nan else {TENSOR_AMAX: amax.float()}
     lo, hi = torch.aminmax(x)  # min or max is NaN where any element is (infinities are not)
     if bool(torch.isnan(lo) | torch.isnan(hi)):
         return None

@@ -43,7 +43,7 @@ import torch
 
 from ..tracing import tracing
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "block_amax", "scale_cast_fp8", "scale_cast_fp4",
+__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8", "scale_cast_fp4",
            "scale_cast_fp4_error", "available",
            "cache_dir"]
 
@@ -122,6 +122,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_transpose_u8.restype = None
                 lib.te_serial_block_amax_u16.argtypes = [ptr] + [i64] * 4 + [ctypes.c_uint16, ptr, ptr, i32]
                 lib.te_serial_block_amax_u16.restype = i32
+                lib.te_serial_amax_u16.argtypes = [ptr] + [i64] * 3 + [ctypes.c_uint16, i32]
+                lib.te_serial_amax_u16.restype = i32
                 lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, i32, i32] + [i64] * 7 + [i32, i32]
                 lib.te_serial_scale_cast_fp8.restype = i32
                 lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
@@ -207,6 +209,22 @@ def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, boo
     nan = lib.te_serial_block_amax_u16(x.data_ptr(), m, k, x.stride(0), b, inf_bits, rows.data_ptr(), cols.data_ptr(),
                                        _threads(m, x.numel() * 2, b))
     return rows.view(x.dtype), cols.view(x.dtype), bool(nan)
+
+
+def amax(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """max |x| of a 2-D BF16 / FP16 ``x`` as a 0-d tensor of x's dtype, and whether x holds a NaN (the
+    maximum then means nothing), from one pass. None where the C kernel does not apply (as
+    :func:`block_amax`: not built, another dtype or device, a row stride other than 1, no element)."""
+    inf_bits = _INF_BITS.get(x.dtype)
+    if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
+            or tracing()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    bits = lib.te_serial_amax_u16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), inf_bits,
+                                  _threads(x.shape[0], x.numel() * 2, 1))
+    return torch.tensor(max(bits, 0), dtype=torch.int16).view(x.dtype), bits < 0  # magnitude bits fit int16
 
 
 #: the C cast's input kinds

@@ -119,6 +119,40 @@ int te_serial_block_amax_u16(const uint16_t *x, int64_t rows, int64_t cols, int6
     return nan;
 }
 
+/* max |x| of a 2-D 16-bit float array (bf16 or fp16) as magnitude bits, rows [r0, r1); sets *nan
+ * where an element is a NaN (magnitude bits above `inf_bits`). One read, vectorized by the compiler. */
+static uint16_t amax_rows(const uint16_t *x, int64_t cols, int64_t ss, uint16_t inf_bits, int *nan,
+                          int64_t r0, int64_t r1) {
+    uint16_t m = 0, over = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *p = x + r * ss;
+        for (int64_t j = 0; j < cols; j++) {
+            uint16_t a = p[j] & 0x7FFF;
+            m = a > m ? a : m;
+            over |= (uint16_t)(a > inf_bits);
+        }
+    }
+    *nan |= over != 0;
+    return m;
+}
+
+/* max |x| as magnitude bits, or -1 where any element is a NaN (the tensor amax's pass, with the
+ * NaN check that sends such inputs down the eager path) */
+int32_t te_serial_amax_u16(const uint16_t *x, int64_t rows, int64_t cols, int64_t ss, uint16_t inf_bits,
+                           int threads) {
+    int64_t step = rows_per_thread(rows, 1, threads);
+    int32_t m = 0;
+    int nan = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(max:m) reduction(|:nan)
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        int got = 0;
+        int32_t a = amax_rows(x, cols, ss, inf_bits, &got, r0, r0 + step < rows ? r0 + step : rows);
+        m = a > m ? a : m;
+        nan |= got;
+    }
+    return nan ? -1 : m;
+}
+
 /* FP8 codes of fp32(x) * scale, clamped to the FP8 type's largest finite value, rounded to nearest
  * even: numerics.scale_and_cast_to_fp8 (TE's quantize step), one read of x and one write of codes.
  *
