@@ -265,7 +265,8 @@ def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int 
 
 
 def scale_and_cast_to_fp4_with_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor,
-                                     denom: torch.Tensor, mse: bool, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                                     denom: torch.Tensor, mse: bool,
+                                     dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`scale_and_cast_to_fp4`, and per 16 elements along ``dim`` the fp32 sum, in order, of
     err(((q · sf) · amax) / denom − x) with q the codes' values and err |d|, or d² with ``mse``:
     NVFP4 4over6's candidate codes and block errors (quantize_4over6_nvfp4.cuh). The sums keep

@@ -485,7 +485,8 @@ def test_fp4_error_cast_declines_to_torch_where_the_c_loop_does_not_apply():
     g = torch.Generator().manual_seed(14)
     x = torch.randn(64, 4, 16, generator=g).to(torch.bfloat16) * 3
     enc, denom = torch.rand(64, 4, 1, generator=g) + 0.5, torch.tensor(6.0 * 448)
-    for sf, amax in [(enc, torch.rand(64, 1, 1, generator=g) + 1), (torch.rand(64, 1, 16, generator=g), torch.tensor(2.0))]:
+    per_row_amax, other_layout = torch.rand(64, 1, 1, generator=g) + 1, torch.rand(64, 1, 16, generator=g)
+    for sf, amax in [(enc, per_row_amax), (other_layout, torch.tensor(2.0))]:
         assert native._scale_cast_fp4_error_native(native._library(), x, enc, sf, amax, denom, False, -1) is None
         want = nx.scale_and_cast_to_fp4_with_error(x, enc, sf, amax, denom, False, -1)
         got = native.scale_cast_fp4_error(x, enc, sf, amax, denom, False, -1)

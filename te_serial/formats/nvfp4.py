@@ -355,10 +355,11 @@ class NVFP4Quantizer(Quantizer):
             out.append((data, s_b, err))
         (d4, s4, e4), (d6, s6, e6) = out
         pick4 = e4 < e6
-        if bd == 2:  # a block's 8 packed bytes as one int64: one select per block (a compiled loop of 8 bytes ran scalar)
-            return torch.where(pick4.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8), \
-                torch.where(pick4, s4, s6)
-        return torch.where(pick4.unsqueeze(bd), d4, d6), torch.where(pick4, s4, s6)
+        if bd == 2:  # a block's 8 packed bytes as one int64: one select per block, not a loop of 8 bytes (scalar)
+            data = torch.where(pick4.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8)
+        else:
+            data = torch.where(pick4.unsqueeze(1), d4, d6)
+        return data, torch.where(pick4, s4, s6)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.

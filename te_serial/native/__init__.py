@@ -6,13 +6,16 @@
   kernel runs near ``memcpy`` speed.
 * :func:`block_amax` takes the |x| maxima of a BF16 / FP16 array's 1×b and b×1 blocks and spots
   NaN in one read (|x| of a sign-magnitude float orders as its bits without the sign), where the
-  compiled graphs and the NaN check read the input three times.
+  compiled graphs and the NaN check read the input three times; :func:`amax` the tensor's, the same
+  way (torch.aminmax took as long as a cast).
 * :func:`scale_cast_fp8` is ``numerics.scale_and_cast_to_fp8`` (fp32 product, clamp, FP8 round to
   nearest even, by the FP8 definitions bit for bit), 16 lanes at a time, which the compiled graphs
   use for both FP8 types: torch's fp32 → FP8 conversion is scalar, and inside inductor's loop ran at
   a half (E4M3) or a quarter (E5M2) of a plain cast's speed. The eager path keeps torch's own
   conversion, so the fused table (fused against eager, byte for byte) holds this kernel to torch's
   roundings, and the oracle tests hold both to TE's.
+* :func:`scale_cast_fp4` is NVFP4's data step by the same rule (E2M1 codes, packed two per byte as
+  they are made), and :func:`scale_cast_fp4_error` adds 4over6's block error sums, in order.
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
 package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
@@ -44,8 +47,7 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8", "scale_cast_fp4",
-           "scale_cast_fp4_error", "available",
-           "cache_dir"]
+           "scale_cast_fp4_error", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -129,7 +131,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
                 lib.te_serial_scale_cast_fp4.restype = i32
                 f32 = ctypes.c_float
-                lib.te_serial_scale_cast_fp4_error.argtypes = [ptr] * 5 + [i32] + [i64] * 7 + [i32, i32, f32, f32, i32, i32]
+                lib.te_serial_scale_cast_fp4_error.argtypes = ([ptr] * 5 + [i32] + [i64] * 7
+                                                               + [i32, i32, f32, f32, i32, i32])
                 lib.te_serial_scale_cast_fp4_error.restype = i32
                 _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
@@ -278,8 +281,9 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
     y = torch.empty(x.shape, dtype=torch.uint8)
     n, outer = shape[3], shape[0] * shape[1] * shape[2]
     if x.numel():
-        if lib.te_serial_scale_cast_fp8(x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, int(fp8_dtype == torch.float8_e5m2),
-                                        n, *shape[:3], *strides, _threads(outer, x.numel() * x.element_size(), 1)):
+        e5m2 = int(fp8_dtype == torch.float8_e5m2)
+        if lib.te_serial_scale_cast_fp8(x.data_ptr(), s.data_ptr(), y.data_ptr(), kind, e5m2, n, *shape[:3], *strides,
+                                        _threads(outer, x.numel() * x.element_size(), 1)):
             return None  # a kind this build lacks (fp16 without _Float16)
     return y.view(fp8_dtype)
 

@@ -78,7 +78,8 @@ void te_serial_transpose_u8(const uint8_t *src, uint8_t *dst, int64_t rows, int6
                             int threads) {
     int64_t step = rows_per_thread(rows, 64, threads);
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t r0 = 0; r0 < rows; r0 += step) transpose_rows(src, dst, cols, ss, ds, r0, r0 + step < rows ? r0 + step : rows);
+    for (int64_t r0 = 0; r0 < rows; r0 += step)
+        transpose_rows(src, dst, cols, ss, ds, r0, r0 + step < rows ? r0 + step : rows);
 }
 
 /* |x| maxima of a 16-bit float array (bf16 or fp16, sign-magnitude: |x| orders as bits & 0x7FFF)
@@ -196,7 +197,12 @@ static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) {
                                          (__m512i)y, (__m512i)x);
 }
 static inline u8v low_bytes(u32v a) { return (u8v)_mm512_cvtepi32_epi8((__m512i)a); }  /* each lane's low byte */
-static inline u8v8 low_bytes64(u64v a) { __m128i b = _mm512_cvtepi64_epi8((__m512i)a); u8v8 r; memcpy(&r, &b, 8); return r; }
+static inline u8v8 low_bytes64(u64v a) {  /* each 64-bit lane's low byte */
+    __m128i b = _mm512_cvtepi64_epi8((__m512i)a);
+    u8v8 r;
+    memcpy(&r, &b, 8);
+    return r;
+}
 #else
 static inline u32v select_gt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a > t); return (m & x) | (~m & y); }
 static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a < t); return (m & x) | (~m & y); }
@@ -218,21 +224,26 @@ static inline u32v float_codes(f32v v, const int width, const int mbits, const i
     u32v sub = (u32v)((f32v)a + u2f(magic)) - magic;
     u32v nor = (a - rebias + ((1u << (drop - 1)) - 1u) + ((a >> drop) & 1u)) >> drop;
     u32v r = select_lt(a, min_normal, sub, nor);
-    r = select_gt(a, max_bits, (u32v){} + ((max_bits - rebias) >> drop), r) | ((b >> (32 - width)) & (1u << (width - 1)));
+    r = select_gt(a, max_bits, (u32v){} + ((max_bits - rebias) >> drop), r);
+    r |= (b >> (32 - width)) & (1u << (width - 1));  /* the sign, on top of the code */
     return select_gt(a, 0x7F800000u, (u32v){} + nan_code, r);
 }
 
 static inline f32v load_bf16(const uint16_t *p) {
     u16v h; memcpy(&h, p, sizeof h);
 #if defined(__AVX512F__)
-    return (f32v)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);  /* what GCC 12 makes of the line below in 5 */
+    return (f32v)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);  /* GCC 12 makes 5 of the line below */
 #endif
     return (f32v)(__builtin_convertvector(h, u32v) << 16);
 }
 static inline f32v load_f32(const float *p) { f32v v; memcpy(&v, p, sizeof v); return v; }
 #if defined(__FLT16_MAX__)
 typedef _Float16 f16v __attribute__((vector_size(2 * LANES)));
-static inline f32v load_f16(const _Float16 *p) { f16v h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, f32v); }
+static inline f32v load_f16(const _Float16 *p) {
+    f16v h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, f32v);
+}
 #endif
 
 /* NaN: 0x7F, the canonical code the eager path writes; E2M1 NaN: +6, as the PTX cvt (cuda_fp4.hpp) */
@@ -242,6 +253,32 @@ static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : 
 #define TO_E4M3(v) low_bytes(float_codes((v), 8, 3, 7, 448.0f, 0x7Fu))
 #define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
 #define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
+
+/* The outer rows' scale offsets i0 * s0 + i1 * s1 + i2 * s2, (i0, i1, i2) the row's index in the
+ * outer sizes (d0, d1, d2), walked one row after another from row o */
+typedef struct { int64_t i0, i1, i2, d1, d2, s0, s1, s2; } row_walk;
+static inline row_walk walk_from(int64_t o, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2) {
+    row_walk w = {o / d2 / d1, (o / d2) % d1, o % d2, d1, d2, s0, s1, s2};
+    return w;
+}
+/* this row's offset; the walk moves on to the next row */
+static inline int64_t walk_next(row_walk *w) {
+    int64_t off = w->i0 * w->s0 + w->i1 * w->s1 + w->i2 * w->s2;
+    if (++w->i2 == w->d2) { w->i2 = 0; if (++w->i1 == w->d1) { w->i1 = 0; w->i0++; } }
+    return off;
+}
+
+/* E2M1 codes (one per 32-bit lane) packed two per byte: neighbouring lanes into LANES / 2 bytes,
+ * lane 2i's code low (each 64-bit lane's two codes); or the lanes of two rows into LANES bytes */
+static inline void pack_lanes(u32v c, uint8_t *y) {
+    u64v w = (u64v)c;
+    u8v8 q = low_bytes64(w | (w >> 28));
+    memcpy(y, &q, LANES / 2);
+}
+static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
+    u8v q = low_bytes(lo | (hi << 4));
+    memcpy(y, &q, LANES);
+}
 
 #define CAST_ROW(NAME, T, LOAD, TO)                                                               \
     /* LANES elements from x, times the scales sv, to y */                                       \
@@ -261,28 +298,24 @@ static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : 
                      int64_t s0, int64_t s1, int64_t s2, int sj, int64_t o0, int64_t o1) {        \
         const T *x = xv;                                                                          \
         const int64_t whole = n / LANES * LANES;                                                  \
-        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
         if (!sj && whole == n) {  /* one flat loop (short rows: no inner loop whose set-up repeats) */ \
             int64_t k = 0, per_row = n / LANES;                                                   \
-            f32v sv = (f32v){} + scale[i0 * s0 + i1 * s1 + i2 * s2];                              \
+            f32v sv = {0};                                                                        \
             for (int64_t e = o0 * n; e < o1 * n; e += LANES) {                                    \
+                if (k == 0) sv = (f32v){} + scale[walk_next(&w)];                                 \
                 NAME##_lanes(x + e, sv, y + e);                                                   \
-                if (++k == per_row) {                                                             \
-                    k = 0;                                                                        \
-                    if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                 \
-                    sv = (f32v){} + scale[i0 * s0 + i1 * s1 + i2 * s2];                           \
-                }                                                                                 \
+                if (++k == per_row) k = 0;                                                        \
             }                                                                                     \
             return;                                                                               \
         }                                                                                         \
         for (int64_t o = o0; o < o1; o++) {                                                       \
-            const float *s = scale + i0 * s0 + i1 * s1 + i2 * s2;                                 \
+            const float *s = scale + walk_next(&w);                                               \
             const T *xr = x + o * n;                                                              \
             uint8_t *yr = y + o * n;                                                              \
             if (sj) for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(xr + j, load_f32(s + j), yr + j); \
-            else { f32v sv = (f32v){} + s[0]; for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(xr + j, sv, yr + j); } \
+            else for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(xr + j, (f32v){} + s[0], yr + j); \
             if (whole < n) NAME##_tail(xr + whole, s + (sj ? whole : 0), sj, yr + whole, n - whole); \
-            if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                         \
         }                                                                                         \
     }
 
@@ -304,25 +337,17 @@ CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
     static void NAME(const void *xv, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
                      int64_t s0, int64_t s1, int64_t s2, int sj, int rows, int64_t o0, int64_t o1) { \
         const T *x = xv;                                                                          \
-        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
         for (int64_t o = o0; o < o1; o += 1 + rows) {                                             \
-            const float *sa = scale + i0 * s0 + i1 * s1 + i2 * s2, *sb = sa;                      \
-            if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                         \
+            const float *sa = scale + walk_next(&w);                                              \
             if (rows) {                                                                           \
-                sb = scale + i0 * s0 + i1 * s1 + i2 * s2;                                         \
-                if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                     \
-                for (int64_t j = 0; j < n; j += LANES) {                                          \
-                    u32v lo = TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj));      \
-                    u32v hi = TO_E2M1(LOAD(x + (o + 1) * n + j) * lanes_of(sb + j * sj, sj)); \
-                    u8v q = low_bytes(lo | (hi << 4));                                            \
-                    memcpy(y + o / 2 * n + j, &q, LANES);                                         \
-                }                                                                                 \
+                const float *sb = scale + walk_next(&w);                                          \
+                for (int64_t j = 0; j < n; j += LANES)                                            \
+                    pack_rows(TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj)),           \
+                              TO_E2M1(LOAD(x + (o + 1) * n + j) * lanes_of(sb + j * sj, sj)), y + o / 2 * n + j); \
             } else {                                                                              \
-                for (int64_t j = 0; j < n; j += LANES) {                                          \
-                    u64v w = (u64v)TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj)); \
-                    u8v8 q = low_bytes64(w | (w >> 28));  /* lane 2i's code, lane 2i + 1's above it */ \
-                    memcpy(y + (o * n + j) / 2, &q, LANES / 2);                                   \
-                }                                                                                 \
+                for (int64_t j = 0; j < n; j += LANES)                                            \
+                    pack_lanes(TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj)), y + (o * n + j) / 2); \
             }                                                                                     \
         }                                                                                         \
     }
@@ -360,14 +385,11 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
                      int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int rows, \
                      float amax, float denom, int mse, int64_t o0, int64_t o1) {                  \
         const T *x = xv;                                                                          \
-        int64_t i2 = o0 % d2, i1 = (o0 / d2) % d1, i0 = o0 / d2 / d1;                            \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
         if (rows) {                                                                               \
             for (int64_t o = o0; o < o1; o += 16) {                                               \
                 int64_t off[16];                                                                  \
-                for (int k = 0; k < 16; k++) {                                                    \
-                    off[k] = i0 * s0 + i1 * s1 + i2 * s2;                                         \
-                    if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                 \
-                }                                                                                 \
+                for (int k = 0; k < 16; k++) off[k] = walk_next(&w);                              \
                 for (int64_t j = 0; j < n; j += LANES) {                                          \
                     f32v acc = {0};                                                               \
                     for (int k = 0; k < 16; k += 2) {                                             \
@@ -376,8 +398,7 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
                         u32v cb = TO_E2M1(xb * lanes_of(enc + off[k + 1] + j * sj, sj));          \
                         acc += e2m1_error(xa, ca, lanes_of(sf + off[k] + j * sj, sj), amax, denom, mse); \
                         acc += e2m1_error(xb, cb, lanes_of(sf + off[k + 1] + j * sj, sj), amax, denom, mse); \
-                        u8v q = low_bytes(ca | (cb << 4));                                        \
-                        memcpy(y + (o + k) / 2 * n + j, &q, LANES);                               \
+                        pack_rows(ca, cb, y + (o + k) / 2 * n + j);                               \
                     }                                                                             \
                     memcpy(err + o / 16 * n + j, &acc, sizeof acc);                               \
                 }                                                                                 \
@@ -385,24 +406,19 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
             return;                                                                               \
         }                                                                                         \
         const int64_t per_row = n / LANES, blocks = (o1 - o0) * per_row;                          \
-        int64_t k = 0, off = i0 * s0 + i1 * s1 + i2 * s2;                                         \
+        int64_t k = 0, off = 0;                                                                   \
         float terms[LANES][LANES];  /* terms[i][b]: the i-th error term of block b */             \
         for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {                                          \
             int nb = blocks - b0 < LANES ? (int)(blocks - b0) : LANES;                            \
             for (int b = 0; b < nb; b++) {                                                        \
                 const int64_t at = o0 * n + (b0 + b) * LANES;  /* the block's first element */    \
+                if (k == 0) off = walk_next(&w);                                                  \
                 f32v xb = LOAD(x + at);                                                           \
                 u32v c = TO_E2M1(xb * lanes_of(enc + off + k * LANES * sj, sj));                  \
                 f32v e = e2m1_error(xb, c, lanes_of(sf + off + k * LANES * sj, sj), amax, denom, mse); \
                 for (int i = 0; i < LANES; i++) terms[i][b] = e[i];                               \
-                u64v w = (u64v)c;                                                                 \
-                u8v8 q = low_bytes64(w | (w >> 28));                                              \
-                memcpy(y + at / 2, &q, LANES / 2);                                                \
-                if (++k == per_row) {                                                             \
-                    k = 0;                                                                        \
-                    if (++i2 == d2) { i2 = 0; if (++i1 == d1) { i1 = 0; i0++; } }                 \
-                    off = i0 * s0 + i1 * s1 + i2 * s2;                                            \
-                }                                                                                 \
+                pack_lanes(c, y + at / 2);                                                        \
+                if (++k == per_row) k = 0;                                                        \
             }                                                                                     \
             f32v acc = {0};                                                                       \
             for (int i = 0; i < LANES; i++) acc += load_f32(terms[i]);                            \
@@ -487,6 +503,7 @@ int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int 
     }
     int64_t rows = d0 * d1 * d2, step = rows_per_thread(rows, 1, threads);
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t o0 = 0; o0 < rows; o0 += step) fn(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o0 + step < rows ? o0 + step : rows);
+    for (int64_t o0 = 0; o0 < rows; o0 += step)
+        fn(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o0 + step < rows ? o0 + step : rows);
     return 0;
 }
