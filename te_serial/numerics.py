@@ -121,6 +121,20 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
     return bits.masked_fill_(bits == 0xFF, 0x7F)
 
 
+def scale_and_cast_to_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
+                                     shape: tuple[int, int],
+                                     keep_rows: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`scale_and_cast_to_fp8`'s codes (None without ``keep_rows``) and their row-major 2-D
+    ``shape`` [M, K] transposed, [K, M]: the columnwise copy where both usages share the codes,
+    or where columnwise codes are made in row order. Compiled on CPU, one C pass
+    (``native.scale_cast_fp8_transposed``: each stripe transposed while in cache); else the cast, then
+    ``native.transpose_bytes``."""
+    if tracing() and x.device.type == "cpu" and native.available():
+        return native.scale_cast_fp8_transposed(x, scale, fp8_dtype, shape, keep_rows)
+    codes = scale_and_cast_to_fp8(x, scale, fp8_dtype)
+    return (codes if keep_rows else None), native.transpose_bytes(codes.reshape(shape))
+
+
 def fp8_to_float(bits: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bits (uint8) → fp32 values."""
     return bits.view(fp8_dtype).float()

@@ -333,8 +333,9 @@ def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
     if not native.available():
         pytest.skip("no native library: the graphs keep inductor's cast")
     calls = []
-    real = native._scale_cast_native
-    monkeypatch.setattr(native, "_scale_cast_native", lambda *a: calls.append(a[3]) or real(*a))
+    for name in ("_scale_cast_native", "_scale_cast_t_native"):  # the cast, and with its transpose (both usages)
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real: calls.append(a[3]) or real(*a))
     from te_serial import Float8CurrentScalingQuantizer
     q = Float8CurrentScalingQuantizer(torch.float8_e5m2)
     x = torch.randn(256, 512, dtype=torch.bfloat16)
@@ -493,3 +494,46 @@ def test_fp4_error_cast_declines_to_torch_where_the_c_loop_does_not_apply():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="blocks of 16 along dim -1 or -2"):
         native.scale_cast_fp4_error(x[:, :3], enc[:, :3], enc[:, :3], torch.tensor(1.0), denom, False, -2)
+
+
+# --- the FP8 cast with its codes transposed --------------------------------------------------------
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["tensor", "tile128", "col128", "odd_rows"])
+@pytest.mark.parametrize("keep_rows", [True, False])
+def test_cast_transposed_is_the_cast_then_the_transpose(in_dtype, layout, keep_rows, monkeypatch):
+    """Per-tensor, 128×128 tiles, 128×1 blocks (a scale per element of the row) and a [100, 200]
+    array (a last stripe of 36 rows, rows of 12 lanes and a tail): the codes and their transpose
+    equal the eager cast and torch's transpose, split between threads too."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    g = torch.Generator().manual_seed(15)
+    x = (torch.randn(256, 384, generator=g) * 300).to(in_dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
+    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    xs, s, width = {
+        "tensor": (x, rand(()), 384),
+        "tile128": (x.view(2, 128, 3, 128), rand(2, 1, 3, 1), 384),
+        "col128": (x.view(2, 128, 384), rand(2, 1, 384), 384),
+        "odd_rows": (x[:100, :200].contiguous(), rand(100, 1), 200),
+    }[layout]
+    for fp8_dtype in FP8_TYPES:
+        want = _eager_codes(xs, s, fp8_dtype).reshape(-1, width)
+        rows, cols = native.scale_cast_fp8_transposed(xs, s, fp8_dtype, (xs.numel() // width, width), keep_rows)
+        assert torch.equal(cols.view(torch.uint8), want.t())
+        assert rows is None if not keep_rows else torch.equal(rows.view(torch.uint8).reshape(-1, width), want)
+
+
+def test_cast_transposed_declines_and_refuses():
+    """Rows that are not whole blocks of the layout run torch's rule (the same bytes), as does an
+    empty tensor; a 2-D shape that is not the tensor's is an error."""
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * 100
+    s = torch.rand(64, 1, 2, 1) + 0.5
+    xs = x.view(64, 1, 2, 48)
+    assert native._scale_cast_t_native(native._library(), xs, s, torch.float8_e4m3fn, 96, 64, True) is None  # 64 % 48
+    want = _eager_codes(xs, s, torch.float8_e4m3fn).reshape(-1, 64)
+    rows, cols = native.scale_cast_fp8_transposed(xs, s, torch.float8_e4m3fn, (96, 64))
+    assert torch.equal(cols.view(torch.uint8), want.t()) and torch.equal(rows.view(torch.uint8).reshape(-1, 64), want)
+    with pytest.raises(ValueError, match="is not shape"):
+        native.scale_cast_fp8_transposed(x, None, torch.float8_e4m3fn, (60, 100))
+    empty, transposed = native.scale_cast_fp8_transposed(torch.empty(5, 0), None, torch.float8_e5m2, (5, 0))
+    assert empty.shape == (5, 0) and transposed.shape == (0, 5)

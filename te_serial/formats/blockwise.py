@@ -37,11 +37,31 @@ def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
     """x * (scale of its block) for per-block scales [ceil(M/rows), ceil(K/cols)]; as FP8 bits
     if ``fp8_dtype`` is given, else fp32 values."""
     m, k = x2.shape
-    mb, kb = scale.shape
-    blocks = nx.pad_to(x2, (mb * rows, kb * cols)).reshape(mb, rows, kb, cols)
-    s = nx.per_block(scale)[:, None, :, None]
+    blocks, s = _blocks_and_scales(x2, scale, rows, cols)
     out = blocks.float() * s if fp8_dtype is None else nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype)
+    mb, _, kb, _ = blocks.shape
     return out.reshape(mb * rows, kb * cols)[:m, :k]
+
+
+def _scaled_transposed(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype: torch.dtype,
+                       keep_rows: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`_scaled`'s FP8 codes (None without ``keep_rows``) and their transpose [K, M]: from one
+    pass where the blocks tile x2 (every real weight), else the codes transposed after."""
+    m, k = x2.shape
+    blocks, s = _blocks_and_scales(x2, scale, rows, cols)
+    if blocks.numel() == x2.numel():
+        codes, transposed = nx.scale_and_cast_to_fp8_transposed(blocks, s, fp8_dtype, (m, k), keep_rows)
+        return (None if codes is None else codes.reshape(m, k)), transposed
+    codes = _scaled(x2, scale, rows, cols, fp8_dtype)
+    return (codes if keep_rows else None), transpose_bytes(codes)
+
+
+def _blocks_and_scales(x2: torch.Tensor, scale: torch.Tensor, rows: int,
+                       cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 padded to whole blocks as [M/rows, rows, K/cols, cols], and the per-block scales
+    [ceil(M/rows), ceil(K/cols)] as [M/rows, 1, K/cols, 1]."""
+    mb, kb = scale.shape
+    return nx.pad_to(x2, (mb * rows, kb * cols)).reshape(mb, rows, kb, cols), nx.per_block(scale)[:, None, :, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +166,15 @@ class Float8BlockQuantizer(Quantizer):
         out = {}
         if self.block_scaling_dim == 2:  # one tile grid for both usages: the columnwise codes are the rowwise ones
             scale = self._scale(blocks_amax(xc, BLOCK, BLOCK, given), xc.dtype)
-            codes, scale_inv = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype), nx.reciprocal(scale)
+            scale_inv = nx.reciprocal(scale)
+            if self.columnwise:
+                codes, out["_columnwise_data"] = _scaled_transposed(xc, scale, BLOCK, BLOCK, self.fp8_dtype,
+                                                                    keep_rows=self.rowwise)
+                out["_columnwise_scale_inv"] = scale_inv
+            else:
+                codes = _scaled(xc, scale, BLOCK, BLOCK, self.fp8_dtype)
             if self.rowwise:
                 out["_rowwise_data"], out["_rowwise_scale_inv"] = codes, scale_inv
-            if self.columnwise:
-                out["_columnwise_data"], out["_columnwise_scale_inv"] = transpose_bytes(codes), scale_inv
             return out
         if self.rowwise:  # 1×128 along K: grid [R, ceil(K/128)]
             scale = self._scale(blocks_amax(xc, 1, BLOCK, given), xc.dtype)
@@ -158,7 +182,7 @@ class Float8BlockQuantizer(Quantizer):
             out["_rowwise_scale_inv"] = nx.reciprocal(scale)
         if self.columnwise:  # 128×1 along M, grid [ceil(R/128), K]: codes in row order, then transposed [K, R]
             scale = self._scale(blocks_amax(xc, BLOCK, 1, given), xc.dtype)
-            out["_columnwise_data"] = transpose_bytes(_scaled(xc, scale, BLOCK, 1, self.fp8_dtype))
+            out["_columnwise_data"] = _scaled_transposed(xc, scale, BLOCK, 1, self.fp8_dtype, keep_rows=False)[1]
             out["_columnwise_scale_inv"] = nx.reciprocal(scale)
         return out
 

@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from ..native import transpose_bytes
 from ..errors import FormatError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                    UsageLayout, fp8_short_name, require_fp8_dtype)
@@ -104,11 +103,12 @@ class _PerTensorFP8:
         return scale, {"_scale_inv": nx.reciprocal(scale).reshape(1)}
 
     def _quantize_rows(self, xc, scale):
-        codes = nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)
-        out = {"_data": codes} if self.rowwise else {}
-        if self.columnwise:  # one scale for every element: the transpose is the same codes, moved
-            out["_transpose"] = transpose_bytes(codes)
-        return out
+        if not self.columnwise:
+            return {"_data": nx.scale_and_cast_to_fp8(xc, scale, self.fp8_dtype)}
+        # one scale for every element: the transpose is the same codes, moved
+        codes, transposed = nx.scale_and_cast_to_fp8_transposed(xc, scale, self.fp8_dtype, xc.shape,
+                                                                keep_rows=self.rowwise)
+        return {"_data": codes, "_transpose": transposed} if self.rowwise else {"_transpose": transposed}
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         scale_inv = buffers["_scale_inv"]

@@ -46,8 +46,8 @@ import torch
 
 from ..tracing import tracing
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8", "scale_cast_fp4",
-           "scale_cast_fp4_error", "available", "cache_dir"]
+__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
+           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_error", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -128,6 +128,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_amax_u16.restype = i32
                 lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, i32, i32] + [i64] * 7 + [i32, i32]
                 lib.te_serial_scale_cast_fp8.restype = i32
+                lib.te_serial_scale_cast_fp8_t.argtypes = [ptr] * 4 + [i32, i32] + [i64] * 6 + [i32, i64, i64, i32]
+                lib.te_serial_scale_cast_fp8_t.restype = i32
                 lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
                 lib.te_serial_scale_cast_fp4.restype = i32
                 f32 = ctypes.c_float
@@ -314,6 +316,61 @@ def scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch
     left after merging, a scale varying along x's last dim other than element by element) the eager
     rule runs."""
     return _scale_cast_fp8(x, scale, fp8_dtype == torch.float8_e5m2)
+
+
+def _scale_cast_t_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
+                         rows: int, width: int, keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C cast with its codes also transposed, or None where it does not take the operands."""
+    got = _cast_operands(x, scale)
+    if got is None:
+        return None
+    kind, x, s, shape, strides = got
+    y = torch.empty(x.shape if keep_rows else (0,), dtype=torch.uint8)
+    yt = torch.empty((width, rows), dtype=torch.uint8)
+    if x.numel():
+        y_ptr = y.data_ptr() if keep_rows else None
+        if lib.te_serial_scale_cast_fp8_t(x.data_ptr(), s.data_ptr(), y_ptr, yt.data_ptr(), kind,
+                                          int(fp8_dtype == torch.float8_e5m2), shape[3], *shape[1:3], *strides,
+                                          rows, width, _threads(rows, x.numel() * x.element_size(), _STRIPE)):
+            return None  # a kind this build lacks, rows that are not whole blocks of the layout
+    return y.view(fp8_dtype), yt.view(fp8_dtype)
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp8_transposed", mutates_args=())
+def _scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool, rows: int, width: int,
+                               keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    if x.device.type == "cpu" and x.numel():
+        lib = _library()
+        if lib is not None:
+            got = _scale_cast_t_native(lib, x, scale, fp8_dtype, rows, width, keep_rows)
+            if got is not None:
+                return got
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    codes = numerics.scale_and_cast_to_fp8(x, scale, fp8_dtype).view(fp8_dtype)
+    return (codes if keep_rows else codes.new_empty((0,))), transpose_bytes(codes.reshape(rows, width))
+
+
+@_scale_cast_fp8_transposed.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool, rows: int, width: int,
+      keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    codes = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format) if keep_rows \
+        else x.new_empty((0,), dtype=fp8_dtype)
+    return codes, x.new_empty((width, rows), dtype=fp8_dtype)
+
+
+def scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
+                              shape: tuple[int, int],
+                              keep_rows: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`scale_cast_fp8`'s codes and their transpose as a row-major 2-D ``shape`` [M, K] array,
+    [K, M], from one pass (64 rows at a time, transposed while in cache); without ``keep_rows`` only
+    the transpose (the first item None). An opaque op inside a compiled graph."""
+    rows, width = shape
+    if rows * width != x.numel():
+        raise ValueError(f"scale_cast_fp8_transposed: a {rows}x{width} array is not shape {tuple(x.shape)}")
+    codes, transposed = _scale_cast_fp8_transposed(x, scale, fp8_dtype == torch.float8_e5m2, rows, width, keep_rows)
+    return (codes if keep_rows else None), transposed
 
 
 def _fp4_packed_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

@@ -16,6 +16,7 @@
  * runs in the calling thread.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 /* rows per thread: `rows` split `threads` ways, rounded up to whole units of `unit` rows */
 static int64_t rows_per_thread(int64_t rows, int64_t unit, int threads) {
@@ -304,7 +305,7 @@ static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
             f32v sv = {0};                                                                        \
             for (int64_t e = o0 * n; e < o1 * n; e += LANES) {                                    \
                 if (k == 0) sv = (f32v){} + scale[walk_next(&w)];                                 \
-                NAME##_lanes(x + e, sv, y + e);                                                   \
+                NAME##_lanes(x + e, sv, y + (e - o0 * n));                                        \
                 if (++k == per_row) k = 0;                                                        \
             }                                                                                     \
             return;                                                                               \
@@ -312,7 +313,7 @@ static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
         for (int64_t o = o0; o < o1; o++) {                                                       \
             const float *s = scale + walk_next(&w);                                               \
             const T *xr = x + o * n;                                                              \
-            uint8_t *yr = y + o * n;                                                              \
+            uint8_t *yr = y + (o - o0) * n;                                                       \
             if (sj) for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(xr + j, load_f32(s + j), yr + j); \
             else for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(xr + j, (f32v){} + s[0], yr + j); \
             if (whole < n) NAME##_tail(xr + whole, s + (sj ? whole : 0), sj, yr + whole, n - whole); \
@@ -483,27 +484,62 @@ int te_serial_scale_cast_fp4(const void *x, const float *scale, uint8_t *y, int 
     return 0;
 }
 
-/* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. Returns 0, or -1 for a kind not built. */
+/* a CAST_ROW function: outer rows [o0, o1), codes written from y on (row o0's first) */
+typedef void (*fp8_cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int, int64_t, int64_t);
+
+/* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. NULL for a kind not built. */
+static fp8_cast_fn fp8_cast_of(int in_kind, int e5m2) {
+    switch (in_kind * 2 + e5m2) {
+    case 0: return cast_bf16_e4m3;
+    case 1: return cast_bf16_e5m2;
+#if defined(__FLT16_MAX__)
+    case 2: return cast_f16_e4m3;
+    case 3: return cast_f16_e5m2;
+#endif
+    case 4: return cast_f32_e4m3;
+    case 5: return cast_f32_e5m2;
+    default: return 0;
+    }
+}
+
+/* Returns 0, or -1 for a kind not built. */
 int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int in_kind, int e5m2, int64_t n,
                              int64_t d0, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
                              int threads) {
-    typedef void (*cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, int, int64_t, int64_t);
-    cast_fn fn;
-    switch (in_kind * 2 + e5m2) {
-    case 0: fn = cast_bf16_e4m3; break;
-    case 1: fn = cast_bf16_e5m2; break;
-#if defined(__FLT16_MAX__)
-    case 2: fn = cast_f16_e4m3; break;
-    case 3: fn = cast_f16_e5m2; break;
-#endif
-    case 4: fn = cast_f32_e4m3; break;
-    case 5: fn = cast_f32_e5m2; break;
-    default: return -1;
-    }
+    fp8_cast_fn fn = fp8_cast_of(in_kind, e5m2);
+    if (!fn) return -1;
     int64_t rows = d0 * d1 * d2, step = rows_per_thread(rows, 1, threads);
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t o0 = 0; o0 < rows; o0 += step)
-        fn(x, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o0 + step < rows ? o0 + step : rows);
+        fn(x, scale, y + o0 * n, n, d1, d2, s0, s1, s2, sj, o0, o0 + step < rows ? o0 + step : rows);
     return 0;
+}
+
+/* te_serial_scale_cast_fp8 whose codes, as a row-major [rows, cols] array (each row whole outer rows
+ * of n), are also written transposed to yt [cols, rows]: 64 rows at a time, cast, then transposed
+ * while they are in cache (rather than read back from memory). With y NULL only the transpose is
+ * kept (each stripe goes through a buffer of 64 rows). Returns 0, or -1 for a kind not built, cols
+ * not a multiple of n, or no memory for the buffer. */
+int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, uint8_t *yt, int in_kind, int e5m2,
+                               int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
+                               int64_t rows, int64_t cols, int threads) {
+    fp8_cast_fn fn = fp8_cast_of(in_kind, e5m2);
+    if (!fn || cols % n) return -1;
+    const int64_t per_row = cols / n, step = rows_per_thread(rows, 64, threads);
+    int failed = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        int64_t r1 = r0 + step < rows ? r0 + step : rows;
+        uint8_t *stripe = y ? 0 : malloc((size_t)(64 * cols));
+        if (!y && !stripe) { failed = 1; continue; }
+        for (int64_t r = r0; r < r1; r += 64) {
+            int64_t re = r + 64 < r1 ? r + 64 : r1;
+            uint8_t *codes = y ? y + r * cols : stripe;
+            fn(x, scale, codes, n, d1, d2, s0, s1, s2, sj, r * per_row, re * per_row);
+            transpose_rows(codes, yt + r, cols, cols, rows, 0, re - r);
+        }
+        free(stripe);
+    }
+    return failed ? -1 : 0;
 }
