@@ -219,16 +219,22 @@ def _ties(fp8_dtype):
     return torch.cat([pts, -pts])
 
 
+def _every_16_bit_pattern(largest: float):
+    """(input dtype, every BF16 / FP16 bit pattern as [256, 256], scale): scales that put them
+    around the target's largest value, in its normal and subnormal ranges, past fp32's range, and
+    none."""
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+        for scale in [1.0, 0.37, 2.0 ** -20, 3.0e5, largest / 3.1, 2.0 ** 70, 1e-38, 5e-45, None]:
+            yield dtype, x, None if scale is None else torch.tensor(scale, dtype=torch.float32)
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
 @pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
 def test_cast_every_bf16_and_fp16_pattern_at_many_scales(fp8_dtype, monkeypatch):
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # split between threads too
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
-        for scale in [1.0, 0.37, 2.0 ** -20, 3.0e5, 448.0 / 3.1, 2.0 ** 70, 1e-38, 5e-45]:
-            s = torch.tensor(scale, dtype=torch.float32)
-            assert torch.equal(_native_codes(x, s, fp8_dtype), _eager_codes(x, s, fp8_dtype)), (dtype, scale)
-        assert torch.equal(_native_codes(x, None, fp8_dtype), _eager_codes(x, None, fp8_dtype)), dtype
+    for dtype, x, s in _every_16_bit_pattern(nx.FP8_MAX[fp8_dtype]):
+        assert torch.equal(_native_codes(x, s, fp8_dtype), _eager_codes(x, s, fp8_dtype)), (dtype, s)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
@@ -257,6 +263,15 @@ def test_cast_fp32_ties_specials_and_random_bits(fp8_dtype):
     assert torch.equal(got.view(torch.uint8) >= 0x80, torch.signbit(x))
 
 
+def _layout_input(in_dtype, seed, magnitude, specials=(float("inf"), -float("inf"))):
+    """A [256, 384] input (normal values times ``magnitude``, ±0, tiny values and ``specials`` at the
+    start of row 0) and a maker of random positive scales of a shape, both from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(256, 384, generator=g) * magnitude).to(in_dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, *specials], dtype=in_dtype)
+    return x, lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["tensor", "row32", "col32", "tile128", "row_each", "odd", "row24"])
@@ -265,10 +280,7 @@ def test_cast_takes_every_scale_layout_the_formats_use(fp8_dtype, in_dtype, layo
     one scale per row, an odd block length and one of 16 + 8 (the C loop's 16 lanes and a tail),
     each against the eager codes."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(256, 384, generator=g) * 300).to(in_dtype)
-    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
-    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    x, rand = _layout_input(in_dtype, seed=7, magnitude=300)
     xs, s = {
         "tensor": (x, rand(())),
         "row32": (x.view(256, 12, 32), rand(256, 12, 1)),
@@ -362,13 +374,10 @@ def _fp4_eager(x, scale, dim):
 @pytest.mark.parametrize("dim", [-1, -2])
 def test_fp4_cast_every_bf16_and_fp16_pattern_at_many_scales(dim, monkeypatch):
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # split between threads too
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
-        for scale in [1.0, 0.37, 2.0 ** -20, 3.0e5, 6.0 / 3.1, 2.0 ** 70, 1e-38, 5e-45]:
-            s = torch.tensor(scale, dtype=torch.float32)
-            got = native.scale_cast_fp4(x, s, dim)
-            assert got.shape == ((256, 128) if dim == -1 else (128, 256))
-            assert torch.equal(got, _fp4_eager(x, s, dim)), (dtype, scale)
+    for dtype, x, s in _every_16_bit_pattern(nx.FP4_MAX):
+        got = native.scale_cast_fp4(x, s, dim)
+        assert got.shape == ((256, 128) if dim == -1 else (128, 256))
+        assert torch.equal(got, _fp4_eager(x, s, dim)), (dtype, s)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
@@ -397,10 +406,7 @@ def test_fp4_cast_takes_the_layouts_nvfp4_uses(in_dtype, layout, monkeypatch):
     down the columns, one scale, one per row, 16×16 tiles: each against the eager codes, also from a
     non-contiguous input."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
-    g = torch.Generator().manual_seed(8)
-    x = (torch.randn(256, 384, generator=g) * 3).to(in_dtype)
-    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
-    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    x, rand = _layout_input(in_dtype, seed=8, magnitude=3)
     xs, s, dim = {
         "rows16": (x.view(256, 24, 16), rand(256, 24, 1), -1),
         "cols16": (x.view(16, 16, 384), rand(16, 1, 384), -2),
@@ -449,11 +455,9 @@ def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
 
 # --- the FP4 cast with block errors (NVFP4 4over6's candidates) ------------------------------------
 
-def _fp4_error_case(layout, in_dtype, g):
+def _fp4_error_case(layout, in_dtype):
     """(x, enc, sf, dim) in the layouts 4over6 uses and a few others the C loop takes."""
-    x = (torch.randn(256, 384, generator=g) * 3).to(in_dtype)
-    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, 40.0, -1e4], dtype=in_dtype)
-    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    x, rand = _layout_input(in_dtype, seed=13, magnitude=3, specials=(40.0, -1e4))
     e4m3 = lambda t: t.clamp(max=448).to(torch.float8_e4m3fn).float()  # noqa: E731 - decoding scales are E4M3
     return {
         "rows16": lambda: (x.view(256, 24, 16), rand(256, 24, 1), e4m3(rand(256, 24, 1)), -1),
@@ -470,8 +474,7 @@ def test_fp4_error_cast_is_the_eager_rule(in_dtype, layout, mse, monkeypatch):
     """Packed codes and block error sums, bit for bit: the sums add their 16 terms in order (fp32),
     so any other order would show in the last bits."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
-    g = torch.Generator().manual_seed(13)
-    xs, enc, sf, dim = _fp4_error_case(layout, in_dtype, g)
+    xs, enc, sf, dim = _fp4_error_case(layout, in_dtype)
     amax, denom = torch.tensor(7.25), torch.tensor(6.0 * 448)
     want = nx.scale_and_cast_to_fp4_with_error(xs, enc, sf, amax, denom, mse, dim)
     got = native.scale_cast_fp4_error(xs, enc, sf, amax, denom, mse, dim)
@@ -506,10 +509,7 @@ def test_cast_transposed_is_the_cast_then_the_transpose(in_dtype, layout, keep_r
     array (a last stripe of 36 rows, rows of 12 lanes and a tail): the codes and their transpose
     equal the eager cast and torch's transpose, split between threads too."""
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
-    g = torch.Generator().manual_seed(15)
-    x = (torch.randn(256, 384, generator=g) * 300).to(in_dtype)
-    x[0, :6] = torch.tensor([0.0, -0.0, 1e-7, -3e-5, float("inf"), -float("inf")], dtype=in_dtype)
-    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    x, rand = _layout_input(in_dtype, seed=15, magnitude=300)
     xs, s, width = {
         "tensor": (x, rand(()), 384),
         "tile128": (x.view(2, 128, 3, 128), rand(2, 1, 3, 1), 384),

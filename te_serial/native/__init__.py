@@ -161,6 +161,15 @@ def _threads(rows: int, nbytes: int, unit: int) -> int:
     return max(1, min(torch.get_num_threads(), nbytes // _SPLIT_BYTES, rows // unit))
 
 
+def _on_cpu(native_fn, x: torch.Tensor, *args):
+    """``native_fn(lib, x, *args)`` where x is on CPU and the library is built, else None; the
+    custom ops below run their eager rule on None."""
+    if x.device.type != "cpu":
+        return None
+    lib = _library()
+    return None if lib is None else native_fn(lib, x, *args)
+
+
 def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     y = torch.empty((cols, rows), dtype=x.dtype)
@@ -172,11 +181,8 @@ def _transpose_native(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("te_serial::transpose_bytes", mutates_args=())
 def _transpose_bytes(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        lib = _library()
-        if lib is not None:
-            return _transpose_native(lib, x if x.stride(1) == 1 else x.contiguous())
-    return x.t().contiguous()
+    y = _on_cpu(_transpose_native, x if x.stride(1) == 1 else x.contiguous())
+    return x.t().contiguous() if y is None else y
 
 
 @_transpose_bytes.register_fake
@@ -293,12 +299,9 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
 @torch.library.custom_op("te_serial::scale_cast_fp8", mutates_args=())
 def _scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
     fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    if x.device.type == "cpu":
-        lib = _library()
-        if lib is not None:
-            y = _scale_cast_native(lib, x, scale, fp8_dtype)
-            if y is not None:
-                return y
+    y = _on_cpu(_scale_cast_native, x, scale, fp8_dtype)
+    if y is not None:
+        return y
     from .. import numerics  # the eager rule itself (numerics imports this module)
     return numerics.scale_and_cast_to_fp8(x, scale, fp8_dtype).view(fp8_dtype)
 
@@ -340,12 +343,9 @@ def _scale_cast_t_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor 
 def _scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool, rows: int, width: int,
                                keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    if x.device.type == "cpu" and x.numel():
-        lib = _library()
-        if lib is not None:
-            got = _scale_cast_t_native(lib, x, scale, fp8_dtype, rows, width, keep_rows)
-            if got is not None:
-                return got
+    got = _on_cpu(_scale_cast_t_native, x, scale, fp8_dtype, rows, width, keep_rows) if x.numel() else None
+    if got is not None:
+        return got
     from .. import numerics  # the eager rule itself (numerics imports this module)
     codes = numerics.scale_and_cast_to_fp8(x, scale, fp8_dtype).view(fp8_dtype)
     return (codes if keep_rows else codes.new_empty((0,))), transpose_bytes(codes.reshape(rows, width))
@@ -397,12 +397,9 @@ def _scale_cast_fp4_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tenso
 
 @torch.library.custom_op("te_serial::scale_cast_fp4", mutates_args=())
 def _scale_cast_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch.Tensor:
-    if x.device.type == "cpu":
-        lib = _library()
-        if lib is not None:
-            y = _scale_cast_fp4_native(lib, x, scale, dim)
-            if y is not None:
-                return y
+    y = _on_cpu(_scale_cast_fp4_native, x, scale, dim)
+    if y is not None:
+        return y
     from .. import numerics  # the eager rule itself (numerics imports this module)
     return numerics.scale_and_cast_to_fp4(x, scale, dim)
 
@@ -456,12 +453,9 @@ def _scale_cast_fp4_error_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch
 @torch.library.custom_op("te_serial::scale_cast_fp4_error", mutates_args=())
 def _scale_cast_fp4_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor,
                           denom: torch.Tensor, mse: bool, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.device.type == "cpu":
-        lib = _library()
-        if lib is not None:
-            got = _scale_cast_fp4_error_native(lib, x, scale, sf, amax, denom, mse, dim)
-            if got is not None:
-                return got
+    got = _on_cpu(_scale_cast_fp4_error_native, x, scale, sf, amax, denom, mse, dim)
+    if got is not None:
+        return got
     from .. import numerics  # the eager rule itself (numerics imports this module)
     return numerics.scale_and_cast_to_fp4_with_error(x, scale, sf, amax, denom, mse, dim)
 
