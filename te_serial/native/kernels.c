@@ -247,10 +247,10 @@ static inline f32v load_f16(const _Float16 *p) {
 }
 #endif
 
-/* NaN: 0x7F, the canonical code the eager path writes; E2M1 NaN: +6, as the PTX cvt (cuda_fp4.hpp) */
 /* LANES scales from s: each its own where sj, else s[0] for all */
 static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : (f32v){} + s[0]; }
 
+/* NaN: 0x7F, the canonical code the eager path writes; E2M1 NaN: +6, as the PTX cvt (cuda_fp4.hpp) */
 #define TO_E4M3(v) low_bytes(float_codes((v), 8, 3, 7, 448.0f, 0x7Fu))
 #define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
 #define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
