@@ -339,6 +339,24 @@ def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
         assert torch.equal(native.scale_cast_fp4(xs, s, dim), nx.scale_and_cast_to_fp4(xs, s, dim)), dim
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
+def test_a_compiler_without_openmp_still_builds_for_this_cpu(fresh_native, monkeypatch, tmp_path):
+    """A compiler that refuses -fopenmp (Apple's clang) gets the next set of flags, this CPU's
+    instruction set without OpenMP, and the kernels give the same bytes on one thread."""
+    seen = tmp_path / "flags.txt"
+    cc = tmp_path / "cc_without_openmp"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {seen}\ncase " $* " in *" -fopenmp "*) exit 1;; esac\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert fresh_native.available()
+    tried = seen.read_text().splitlines()
+    assert "-fopenmp" in tried[0] and "-march=native" in tried[1] and "-fopenmp" not in tried[1]
+    assert len(tried) == 2, "the second set of flags built the library"
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    s = torch.tensor(0.37)
+    assert torch.equal(_native_codes(x, s, torch.float8_e4m3fn), _eager_codes(x, s, torch.float8_e4m3fn))
+
+
 def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
     """Where the library is built, a compiled quantize's FP8 cast is the C loop's, for both FP8 types
     (the fused table then holds it to the eager bytes)."""

@@ -56,10 +56,10 @@ CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 _SPLIT_BYTES = 1 << 20
 #: the transpose's rows per stripe: a thread's share of rows is a multiple of it
 _STRIPE = 64
-#: compiler flags, then the optional ones: each set is tried with as many of them as the compiler takes,
-#: in this order (this CPU's instruction set and OpenMP, then OpenMP alone, then neither)
+#: compiler flags, then the optional ones, tried in this order until the compiler takes a set: this
+#: CPU's instruction set and OpenMP, either alone (Apple's clang has no -fopenmp), neither
 _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
-_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 
 _lock = threading.Lock()
 _state: dict = {}
