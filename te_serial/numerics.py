@@ -93,6 +93,12 @@ def per_block(x: torch.Tensor) -> torch.Tensor:
     return per_blocks(x)[0]
 
 
+def _c_loop_in_graph(x: torch.Tensor) -> bool:
+    """Whether a traced graph's cast of ``x`` is the native C loop (CPU, library built); elsewhere,
+    and eager, torch's ops run."""
+    return tracing() and x.device.type == "cpu" and native.available()
+
+
 def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
                           fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bits of ``fp32(x) * scale`` (``scale`` broadcastable, fp32): the kernels' quantize step.
@@ -108,9 +114,9 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
     on CUDA). The eager path keeps torch's conversion, so the fused table compares the two.
     """
     m = FP8_MAX[fp8_dtype]
+    if _c_loop_in_graph(x):
+        return native.scale_cast_fp8(x, scale, fp8_dtype)  # the C loop: the same roundings, faster
     if tracing():  # out of place: in-place ops stop inductor's fusion
-        if x.device.type == "cpu" and native.available():
-            return native.scale_cast_fp8(x, scale, fp8_dtype)  # the C loop: the same roundings, faster
         y = x.float() * scale if scale is not None else x.float()
         return y.clamp(-m, m).to(fp8_dtype)
     y = x.to(torch.float32, copy=True)
@@ -129,7 +135,7 @@ def scale_and_cast_to_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None
     or where columnwise codes are made in row order. Compiled on CPU, one C pass
     (``native.scale_cast_fp8_transposed``: each stripe transposed while in cache); else the cast, then
     ``native.transpose_bytes``."""
-    if tracing() and x.device.type == "cpu" and native.available():
+    if _c_loop_in_graph(x):
         return native.scale_cast_fp8_transposed(x, scale, fp8_dtype, shape, keep_rows)
     codes = scale_and_cast_to_fp8(x, scale, fp8_dtype)
     return (codes if keep_rows else None), native.transpose_bytes(codes.reshape(shape))
@@ -273,7 +279,7 @@ def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int 
     ``dim`` (-1 or -2, :func:`pack_fp4`): NVFP4's data step. Compiled on CPU, the C loop of
     ``native.scale_cast_fp4`` (the same product and roundings, 16 lanes at a time, packed as it
     goes); else :func:`cast_to_fp4_codes` and :func:`pack_fp4`, which the fused table compares it to."""
-    if tracing() and x.device.type == "cpu" and native.available():
+    if _c_loop_in_graph(x):
         return native.scale_cast_fp4(x, scale, dim)
     return pack_fp4(cast_to_fp4_codes(x.float() * scale if scale is not None else x.float()), dim=dim)
 
@@ -285,7 +291,7 @@ def scale_and_cast_to_fp4_with_error(x: torch.Tensor, scale: torch.Tensor, sf: t
     err(((q · sf) · amax) / denom − x) with q the codes' values and err |d|, or d² with ``mse``:
     NVFP4 4over6's candidate codes and block errors (quantize_4over6_nvfp4.cuh). The sums keep
     ``dim`` at a 16th of its size. Compiled on CPU, the C loop of ``native.scale_cast_fp4_error``."""
-    if tracing() and x.device.type == "cpu" and native.available():
+    if _c_loop_in_graph(x):
         return native.scale_cast_fp4_error(x, scale, sf, amax, denom, mse, dim)
     xf = x.float()
     codes = cast_to_fp4_codes(xf * scale)

@@ -203,18 +203,26 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
 _INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
+def _magnitude_pass(x: torch.Tensor) -> tuple[ctypes.CDLL, int] | None:
+    """(the library, +inf's magnitude bits) where the C maxima passes take ``x``: built, a 2-D
+    BF16 / FP16 CPU tensor with unit column stride and some element, outside a traced graph."""
+    inf_bits = _INF_BITS.get(x.dtype)
+    if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
+            or tracing()):
+        return None
+    lib = _library()
+    return None if lib is None else (lib, inf_bits)
+
+
 def block_amax(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """The |x| maxima of a 2-D BF16 / FP16 ``x`` [M, K] over its 1×b blocks ([M, K/b]) and b×1 blocks
     ([M/b, K]), in x's dtype, and whether x holds a NaN (the maxima then mean nothing), from one pass.
     None where the C kernel does not apply: not built, another dtype or device, a row stride other
     than 1, M or K not a multiple of b, or no element."""
-    inf_bits = _INF_BITS.get(x.dtype)
-    if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
-            or x.shape[0] % b or x.shape[1] % b or tracing()):
+    got = _magnitude_pass(x)
+    if got is None or x.shape[0] % b or x.shape[1] % b:
         return None
-    lib = _library()
-    if lib is None:
-        return None
+    lib, inf_bits = got
     (m, k), u16 = x.shape, torch.uint16
     rows, cols = torch.empty((m, k // b), dtype=u16), torch.empty((m // b, k), dtype=u16)
     nan = lib.te_serial_block_amax_u16(x.data_ptr(), m, k, x.stride(0), b, inf_bits, rows.data_ptr(), cols.data_ptr(),
@@ -226,13 +234,10 @@ def amax(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """max |x| of a 2-D BF16 / FP16 ``x`` as a 0-d tensor of x's dtype, and whether x holds a NaN (the
     maximum then means nothing), from one pass. None where the C kernel does not apply (as
     :func:`block_amax`: not built, another dtype or device, a row stride other than 1, no element)."""
-    inf_bits = _INF_BITS.get(x.dtype)
-    if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
-            or tracing()):
+    got = _magnitude_pass(x)
+    if got is None:
         return None
-    lib = _library()
-    if lib is None:
-        return None
+    lib, inf_bits = got
     bits = lib.te_serial_amax_u16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), inf_bits,
                                   _threads(x.shape[0], x.numel() * 2, 1))
     return torch.tensor(max(bits, 0), dtype=torch.int16).view(x.dtype), bits < 0  # magnitude bits fit int16
