@@ -180,35 +180,48 @@ typedef float f32v __attribute__((vector_size(4 * LANES)));
 typedef uint32_t u32v __attribute__((vector_size(4 * LANES)));
 typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
 typedef uint8_t u8v __attribute__((vector_size(LANES)));
-typedef uint64_t u64v __attribute__((vector_size(4 * LANES)));
+typedef uint16_t u16v8 __attribute__((vector_size(LANES)));
 typedef uint8_t u8v8 __attribute__((vector_size(LANES / 2)));
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-/* a > t ? x : y and a < t ? x : y, lane by lane (unsigned compares): one compare into a mask
- * register and one blend with AVX-512, a compare and two bitwise ops elsewhere */
+/* a > t ? x : y and a < t ? x : y, lane by lane, for a and t below 2^31 (magnitude bits, small
+ * codes): signed compares, which AVX2 has and GCC does not scalarize as it does unsigned ones. One
+ * compare into a mask register and one blend with AVX-512, a compare and two bitwise ops elsewhere. */
+typedef int32_t i32v __attribute__((vector_size(4 * LANES)));
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline u32v select_gt(u32v a, uint32_t t, u32v x, u32v y) {
-    return (u32v)_mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask((__m512i)a, _mm512_set1_epi32((int)t)),
+    return (u32v)_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask((__m512i)a, _mm512_set1_epi32((int)t)),
                                          (__m512i)y, (__m512i)x);
 }
 static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) {
-    return (u32v)_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask((__m512i)a, _mm512_set1_epi32((int)t)),
+    return (u32v)_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask((__m512i)a, _mm512_set1_epi32((int)t)),
                                          (__m512i)y, (__m512i)x);
 }
 static inline u8v low_bytes(u32v a) { return (u8v)_mm512_cvtepi32_epi8((__m512i)a); }  /* each lane's low byte */
-static inline u8v8 low_bytes64(u64v a) {  /* each 64-bit lane's low byte */
-    __m128i b = _mm512_cvtepi64_epi8((__m512i)a);
-    u8v8 r;
-    memcpy(&r, &b, 8);
-    return r;
+#else
+static inline u32v select_gt(u32v a, uint32_t t, u32v x, u32v y) {
+    u32v m = (u32v)((i32v)(t - a) >> 31);
+    return (m & x) | (~m & y);
+}
+static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) {
+    u32v m = (u32v)((i32v)(a - t) >> 31);
+    return (m & x) | (~m & y);
+}
+#if defined(__AVX2__)
+#include <immintrin.h>
+typedef uint32_t u32v8 __attribute__((vector_size(32)));
+static inline u8v low_bytes(u32v a) {
+    a &= 0xFFu;
+    __m256i lo = (__m256i)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i hi = (__m256i)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  /* 16 words in order */
+    return (u8v)_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 #else
-static inline u32v select_gt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a > t); return (m & x) | (~m & y); }
-static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) { u32v m = (u32v)(a < t); return (m & x) | (~m & y); }
 static inline u8v low_bytes(u32v a) { return __builtin_convertvector(a, u8v); }
-static inline u8v8 low_bytes64(u64v a) { return __builtin_convertvector(a, u8v8); }
+#endif
 #endif
 
 /* The codes of v in a small float type of `width` bits (sign on top) with `mbits` mantissa bits,
@@ -272,8 +285,8 @@ static inline int64_t walk_next(row_walk *w) {
 /* E2M1 codes (one per 32-bit lane) packed two per byte: neighbouring lanes into LANES / 2 bytes,
  * lane 2i's code low (each 64-bit lane's two codes); or the lanes of two rows into LANES bytes */
 static inline void pack_lanes(u32v c, uint8_t *y) {
-    u64v w = (u64v)c;
-    u8v8 q = low_bytes64(w | (w >> 28));
+    u16v8 w = (u16v8)low_bytes(c);  /* code 2i in the low byte of word i, code 2i + 1 in its high byte */
+    u8v8 q = __builtin_convertvector((w | (w >> 4)) & 0xFFu, u8v8);
     memcpy(y, &q, LANES / 2);
 }
 static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
@@ -335,10 +348,9 @@ CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
  * neighbours in a row (`rows` 0: each row's n codes into n / 2 bytes) or the same element of two
  * neighbouring rows (`rows` 1: rows 2i and 2i + 1 into one row of n bytes, i.e. along dim -2). */
 #define CAST_FP4(NAME, T, LOAD)                                                                   \
-    static void NAME(const void *xv, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
-                     int64_t s0, int64_t s1, int64_t s2, int sj, int rows, int64_t o0, int64_t o1) { \
-        const T *x = xv;                                                                          \
-        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
+    /* the loop, inlined with sj a constant (a run-time sj kept the scales in memory) */          \
+    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, const float *scale, uint8_t *y, \
+            int64_t n, row_walk w, const int sj, int rows, int64_t o0, int64_t o1) {             \
         for (int64_t o = o0; o < o1; o += 1 + rows) {                                             \
             const float *sa = scale + walk_next(&w);                                              \
             if (rows) {                                                                           \
@@ -351,6 +363,12 @@ CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
                     pack_lanes(TO_E2M1(LOAD(x + o * n + j) * lanes_of(sa + j * sj, sj)), y + (o * n + j) / 2); \
             }                                                                                     \
         }                                                                                         \
+    }                                                                                             \
+    static void NAME(const void *xv, const float *scale, uint8_t *y, int64_t n, int64_t d1, int64_t d2, \
+                     int64_t s0, int64_t s1, int64_t s2, int sj, int rows, int64_t o0, int64_t o1) { \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
+        if (sj) NAME##_loop(xv, scale, y, n, w, 1, rows, o0, o1);                                 \
+        else NAME##_loop(xv, scale, y, n, w, 0, rows, o0, o1);                                    \
     }
 
 CAST_FP4(fp4_bf16, uint16_t, load_bf16)
@@ -382,11 +400,10 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
  * 16 blocks go at a time, their errors transposed through a small buffer so that each lane sums
  * one block's 16 terms in order. */
 #define CAST_FP4_ERR(NAME, T, LOAD)                                                               \
-    static void NAME(const void *xv, const float *enc, const float *sf, uint8_t *y, float *err,  \
-                     int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int rows, \
-                     float amax, float denom, int mse, int64_t o0, int64_t o1) {                  \
-        const T *x = xv;                                                                          \
-        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
+    /* the loops, inlined with sj and mse constants */                                           \
+    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, const float *enc, const float *sf, \
+            uint8_t *y, float *err, int64_t n, row_walk w, const int sj, int rows, float amax, float denom, \
+            const int mse, int64_t o0, int64_t o1) {                                              \
         if (rows) {                                                                               \
             for (int64_t o = o0; o < o1; o += 16) {                                               \
                 int64_t off[16];                                                                  \
@@ -424,6 +441,17 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
             f32v acc = {0};                                                                       \
             for (int i = 0; i < LANES; i++) acc += load_f32(terms[i]);                            \
             memcpy(err + o0 * per_row + b0, &acc, (size_t)nb * sizeof(float));                    \
+        }                                                                                         \
+    }                                                                                             \
+    static void NAME(const void *xv, const float *enc, const float *sf, uint8_t *y, float *err,  \
+                     int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int rows, \
+                     float amax, float denom, int mse, int64_t o0, int64_t o1) {                  \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
+        switch (sj * 2 + mse) {                                                                   \
+        case 0: NAME##_loop(xv, enc, sf, y, err, n, w, 0, rows, amax, denom, 0, o0, o1); break;  \
+        case 1: NAME##_loop(xv, enc, sf, y, err, n, w, 0, rows, amax, denom, 1, o0, o1); break;  \
+        case 2: NAME##_loop(xv, enc, sf, y, err, n, w, 1, rows, amax, denom, 0, o0, o1); break;  \
+        default: NAME##_loop(xv, enc, sf, y, err, n, w, 1, rows, amax, denom, 1, o0, o1);        \
         }                                                                                         \
     }
 
