@@ -565,7 +565,7 @@ class Quantizer:
             if role == "scale":
                 g = part.t() if lay.scale_transposed else part
                 rows, cols = specs[name].shape
-                part = torch.nn.functional.pad(g, (0, cols - g.shape[1], 0, rows - g.shape[0]))
+                part = nx.pad_to(g, specs[name].shape)
             out[name] = part.contiguous()
         return out
 

@@ -125,6 +125,8 @@ class MXFP8Quantizer(Quantizer):
         exps = {u: (tile.repeat_interleave(BLOCK, dim=0 if u == ROWWISE else 1) if tile is not None
                     else nx.e8m0_from_amax(blocks_amax(xc, *self.usage_layout(u).grid, given), self.fp8_dtype))
                 for u in self.usages_on()}
+        # the exponents once (a compiled graph would redo their integer ops in the padding's loop)
+        exps = dict(zip(exps, nx.per_blocks(*exps.values())))
         scales = dict(zip(exps, nx.per_blocks(*(nx.e8m0_quant_scale(e) for e in exps.values()))))
         out = {}
         if self.rowwise:

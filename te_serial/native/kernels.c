@@ -313,16 +313,6 @@ static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
         const T *x = xv;                                                                          \
         const int64_t whole = n / LANES * LANES;                                                  \
         row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
-        if (!sj && whole == n) {  /* one flat loop (short rows: no inner loop whose set-up repeats) */ \
-            int64_t k = 0, per_row = n / LANES;                                                   \
-            f32v sv = {0};                                                                        \
-            for (int64_t e = o0 * n; e < o1 * n; e += LANES) {                                    \
-                if (k == 0) sv = (f32v){} + scale[walk_next(&w)];                                 \
-                NAME##_lanes(x + e, sv, y + (e - o0 * n));                                        \
-                if (++k == per_row) k = 0;                                                        \
-            }                                                                                     \
-            return;                                                                               \
-        }                                                                                         \
         for (int64_t o = o0; o < o1; o++) {                                                       \
             const float *s = scale + walk_next(&w);                                               \
             const T *xr = x + o * n;                                                              \
