@@ -517,6 +517,69 @@ def test_fp4_error_cast_declines_to_torch_where_the_c_loop_does_not_apply():
         native.scale_cast_fp4_error(x[:, :3], enc[:, :3], enc[:, :3], torch.tensor(1.0), denom, False, -2)
 
 
+def _4over6_case(in_dtype, along, tile, special):
+    """(x [R, C], the candidates' encoding and decoding grids, amax) as NVFP4 4over6 makes them:
+    the decoding scales e4m3(b · 1.5) and e4m3(b) with b from each block's (or tile's) maximum, so
+    that near ties pick either candidate. 1-D rows take 200 rows (a last stripe of 8)."""
+    x, _ = _layout_input(in_dtype, seed=16, magnitude=3, specials=(special, -1e4))
+    if along == 1 and not tile:
+        x = x[:200].contiguous()
+    r, c = x.shape
+    xf = x.float().abs()
+    if tile:
+        m = xf.reshape(r // 16, 16, c // 16, 16).amax((1, 3)).repeat_interleave(16, dim=0 if along == 1 else 1)
+    else:
+        m = xf.reshape(r, c // 16, 16).amax(2) if along == 1 else xf.reshape(r // 16, 16, c).amax(1)
+    e4m3 = lambda t: t.clamp(max=448).to(torch.float8_e4m3fn).float()  # noqa: E731
+    s_enc = torch.tensor(37.0)
+    sf4, sf6 = e4m3(m / 6 * s_enc * 1.5), e4m3(m / 6 * s_enc)
+    enc = lambda sf: torch.clamp(1 / (sf * (1 / s_enc)), max=nx.FP32_MAX)  # noqa: E731
+    return x, enc(sf4), sf4, enc(sf6), sf6, xf.nan_to_num(0).amax().reshape(1, 1)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("along", [1, 0])
+@pytest.mark.parametrize("tile", [True, False])
+@pytest.mark.parametrize("mse", [False, True])
+@pytest.mark.parametrize("special", [40.0, float("nan")])
+def test_4over6_pass_is_the_eager_rule(in_dtype, along, tile, mse, special, monkeypatch):
+    """The one-pass 4over6 loop (both candidates, their errors from decode tables, tiles' tree sums,
+    the choice) gives the eager rule's packed codes and choices bit for bit, rows and columns, 2-D
+    tiles and 1-D blocks, a NaN too; both candidates are chosen somewhere."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    x, enc4, sf4, enc6, sf6, amax = _4over6_case(in_dtype, along, tile, special)
+    denom = torch.tensor(6.0 * 256)
+    want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, along,
+                                     tile) is not None
+    got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert 0 < want[1].float().mean() < 1
+
+
+def test_4over6_pass_declines_and_refuses():
+    """An amax per row, or columns not in whole lanes: the eager rule runs, the same results; a
+    block or tile that does not divide its dim is an error."""
+    x, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, 1, False, 40.0)
+    denom = torch.tensor(6.0 * 256)
+    per_row = torch.rand(x.shape[0], 1) + 1
+    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, per_row, denom, False, 1,
+                                     False) is None
+    got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
+    want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cols = x[:32, :40].contiguous()  # blocks down 40 columns: not whole 16-lane groups
+    g = torch.rand(2, 40) + 0.5
+    assert native._fp4_4over6_native(native._library(), cols, g, g, g, g, amax, denom, False, 0, False) is None
+    got = native.scale_cast_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
+    want = nx.scale_and_cast_to_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="blocks of 16 along dim 1"):
+        native.scale_cast_fp4_4over6(x[:, :40], g, g, g, g, amax, denom, False, 1, False)
+    with pytest.raises(ValueError, match="tiles: both"):
+        native.scale_cast_fp4_4over6(x[:200], enc4, sf4, enc6, sf6, amax, denom, False, 1, True)
+
+
 # --- the FP8 cast with its codes transposed --------------------------------------------------------
 
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -268,8 +268,8 @@ class NVFP4Quantizer(Quantizer):
         graph then loads contiguously; a transposed read of the input ran scalar). ``args``:
         ``_kernel_args``; ``given``: x2's block maxima, taken ahead of a compiled graph."""
         if self.nvfp4_use_4over6:  # codes chosen block by block between two candidates
-            blocks, bd, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
-            data, s_b = self._select_4over6(blocks, block_amax, amax, s_enc, args or self._kernel_args(x2.device), bd)
+            _, _, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
+            data, s_b = self._select_4over6(x2, block_amax, amax, s_enc, args or self._kernel_args(x2.device), along)
         else:
             blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
             data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
@@ -319,46 +319,32 @@ class NVFP4Quantizer(Quantizer):
         return {"fp4_max": torch.tensor(nx.FP4_MAX, **f32),
                 "err_denom": torch.tensor(nx.FP4_MAX * self.nvfp4_e4m3_max, **f32)}
 
-    def _select_4over6(self, x: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
+    def _select_4over6(self, x2: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
                        s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
-                       bd: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                       along: int) -> tuple[torch.Tensor, torch.Tensor]:
         """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks,
-        scales shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of x
-        ([R, C/16, 16], or [R/16, 16, C] with ``bd=1``: a block's 16 elements on dim ``bd``).
-
-        Candidate scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))`` with
-        ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error
-        ``Σ err(((q · s) · amax) / (6 · e4m3_max) − x)`` summed over the 16 elements in order (fp32),
-        err = |d| (MAE) or d · d (MSE); 16×16 tiles add their 16 rows' sums in the warp's tree order.
-        Map-to-4 only when its error is strictly lower (NaN errors keep map-to-6).
+        scales shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of
+        x2 along dim ``along``: ``numerics.scale_and_cast_to_fp4_4over6`` with the candidates'
+        scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``, ``b = amax_b / 6 · S_enc``;
+        codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over
+        ``((q · s) · amax) / (6 · e4m3_max) − x``; 16×16 tiles in 2-D mode.
         """
-        f32 = dict(dtype=torch.float32, device=x.device)
+        f32 = dict(dtype=torch.float32, device=x2.device)
         base = block_amax / args["fp4_max"] * s_enc
         s_dec = nx.reciprocal(s_enc)
         fp8_max = nx.fp8_max(torch.float8_e4m3fn)
-        out = []
+        cands = []
         for b in (base * torch.tensor(1.5, **f32), base):  # map-to-4, map-to-6
             s_b = _e4m3_bytes(torch.clamp(b, max=fp8_max))
             sf = nx.fp8_to_float(s_b, torch.float8_e4m3fn)
             enc = torch.clamp(torch.ones_like(sf) / (sf * s_dec), max=nx.FP32_MAX)
-            data, err = nx.scale_and_cast_to_fp4_with_error(
-                x, nx.per_block(enc).unsqueeze(bd), sf.unsqueeze(bd), amax.unsqueeze(bd), args["err_denom"],
-                mse=self.nvfp4_4over6_err_mode == "MSE", dim=-1 if bd == 2 else -2)
-            err = err.squeeze(bd)
-            if self.with_2d_quantization:  # reduce_group_sum_16 over a tile's 16 blocks: shfl_down by 8, 4, 2, 1
-                gd = 3 - bd                # blocks of one tile: 16 consecutive rows (bd=2) or columns (bd=1)
-                t = err.unflatten(gd - 1, (-1, BLOCK))
-                while t.shape[gd] > 1:
-                    h = t.shape[gd] // 2
-                    t = t.narrow(gd, 0, h) + t.narrow(gd, h, h)
-                err = t.flatten(gd - 1, gd).repeat_interleave(BLOCK, dim=gd - 1)
-            out.append((data, s_b, err))
-        (d4, s4, e4), (d6, s6, e6) = out
-        pick4 = e4 < e6
-        if bd == 2:  # a block's 8 packed bytes as one int64: one select per block, not a loop of 8 bytes (scalar)
-            data = torch.where(pick4.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8)
-        else:
-            data = torch.where(pick4.unsqueeze(1), d4, d6)
+            cands.append((s_b, enc, sf))
+        (s4, enc4, sf4), (s6, enc6, sf6) = cands
+        # row-major grids, as the C loop reads them (a graph would keep a transposed grid's strides)
+        enc4, sf4, enc6, sf6 = nx.per_blocks(*(t.contiguous() for t in (enc4, sf4, enc6, sf6)))
+        data, pick4 = nx.scale_and_cast_to_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, args["err_denom"],
+                                                      self.nvfp4_4over6_err_mode == "MSE", along,
+                                                      self.with_2d_quantization)
         return data, torch.where(pick4, s4, s6)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:

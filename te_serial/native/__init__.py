@@ -47,7 +47,7 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_error", "available", "cache_dir"]
+           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_error", "scale_cast_fp4_4over6", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -136,6 +136,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_scale_cast_fp4_error.argtypes = ([ptr] * 5 + [i32] + [i64] * 7
                                                                + [i32, i32, f32, f32, i32, i32])
                 lib.te_serial_scale_cast_fp4_error.restype = i32
+                lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, i32, f32, f32, i32, i32]
+                lib.te_serial_fp4_4over6.restype = i32
                 _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -483,3 +485,62 @@ def scale_cast_fp4_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor,
         raise ValueError(f"scale_cast_fp4_error sums blocks of 16 along dim -1 or -2, got dim {dim} of "
                          f"shape {tuple(x.shape)}")
     return _scale_cast_fp4_error(x, scale, sf, amax, denom, mse, dim)
+
+
+def _grid_shape(shape: tuple[int, ...], along: int) -> tuple[int, int]:
+    r, c = shape
+    return (r, c // 16) if along == 1 else (r // 16, c)
+
+
+def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
+                       sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int,
+                       tile: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The one-pass C loop of 4over6, or None where it does not take the operands."""
+    kind = _IN_KINDS.get(x.dtype)
+    r, c = x.shape
+    grid = _grid_shape((r, c), along)
+    scales = [t.expand(grid).contiguous() for t in (enc4, sf4, enc6, sf6)]
+    if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
+        return None  # one amax (a per-row one runs torch's rule)
+    x = x.contiguous()
+    y = torch.empty((r, c // 2) if along == 1 else (r // 2, c), dtype=torch.uint8)
+    pick = torch.empty(grid, dtype=torch.uint8)
+    if x.numel() and lib.te_serial_fp4_4over6(
+            x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales), y.data_ptr(), pick.data_ptr(), int(along == 0),
+            int(tile), float(amax.item()), float(denom.item()), int(mse), _threads(r // 16, x.numel() * x.element_size(), 1)):
+        return None
+    packed = y.view(r, c // 16, 8) if along == 1 else y.view(r // 16, 8, c)
+    return packed, pick.view(torch.bool)
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp4_4over6", mutates_args=())
+def _scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
+                           sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int,
+                           tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _on_cpu(_fp4_4over6_native, x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+    if got is not None:
+        return got
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    return numerics.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+
+
+@_scale_cast_fp4_4over6.register_fake
+def _(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor, sf6: torch.Tensor,
+      amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    r, c = x.shape
+    packed = x.new_empty((r, c // 16, 8) if along == 1 else (r // 16, 8, c), dtype=torch.uint8)
+    return packed, x.new_empty(_grid_shape((r, c), along), dtype=torch.bool)
+
+
+def scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
+                          sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int,
+                          tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.scale_and_cast_to_fp4_4over6`` (NVFP4 4over6's codes and choice per block) in one
+    pass over x [R, C] on CPU: both candidates cast and their errors summed as they are made, the
+    decoded values looked up by code from a table per scale value; an opaque op inside a compiled
+    graph. Where the C loop does not take the operands the eager rule runs."""
+    if x.dim() != 2 or along not in (0, 1) or x.shape[along] % 16 or (tile and x.shape[1 - along] % 16):
+        raise ValueError(f"scale_cast_fp4_4over6 takes a 2-D x in blocks of 16 along dim {along} (tiles: both "
+                         f"dims), got shape {tuple(x.shape)}")
+    return _scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)

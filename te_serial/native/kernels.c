@@ -561,3 +561,184 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
     }
     return failed ? -1 : 0;
 }
+
+/* NVFP4 4over6 in one pass (quantize_4over6_nvfp4.cuh): each block of 16 along `cols` == 0 (rows:
+ * blocks [R, C / 16], codes [R, C / 2]) or `cols` == 1 (columns: blocks [R / 16, C], codes packed as
+ * pairs of rows [R / 2, C]) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
+ * map-to-6; per-block fp32 grids), each candidate's error summed in order over the block as
+ * te_serial_scale_cast_fp4_error does, and with `tile` the 16 blocks of a 16 x 16 tile (16 rows of
+ * one block column, or 16 columns of one block row) add their sums in the warp's tree order (i and
+ * i + 8, then i + 4, 2, 1). The block keeps map-to-4's codes where that sum is strictly lower
+ * (a NaN sum keeps map-to-6); pick[block] says which.
+ *
+ * A candidate's decoded values ((q * sf) * amax) / denom take 16 values per scale: they are made
+ * once per scale value as a table and looked up by code, the same IEEE operations as per element. */
+static inline f32v decode_table(float sf, float amax, float denom) {
+    const u32v codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return ((e2m1_values(codes) * sf) * amax) / denom;
+}
+/* tbl[c] for each lane's code c (0-15) */
+static inline f32v lookup16(f32v tbl, u32v c) {
+#if defined(__AVX512F__)
+    return (f32v)_mm512_permutexvar_ps((__m512i)c, (__m512)tbl);
+#elif defined(__AVX2__)
+    typedef float f32v8 __attribute__((vector_size(32)));
+    __m256 lo = (__m256)__builtin_shufflevector(tbl, tbl, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 hi = (__m256)__builtin_shufflevector(tbl, tbl, 8, 9, 10, 11, 12, 13, 14, 15);
+    u32v s = c << 28;  /* bit 3 (codes 8-15) as each lane's sign: the blend's selector */
+    __m256i c0 = (__m256i)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i c1 = (__m256i)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m256 s0 = (__m256)__builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 s1 = (__m256)__builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32v8 r0 = (f32v8)_mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c0), _mm256_permutevar8x32_ps(hi, c0), s0);
+    f32v8 r1 = (f32v8)_mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c1), _mm256_permutevar8x32_ps(hi, c1), s1);
+    return __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    f32v r;
+    for (int i = 0; i < LANES; i++) r[i] = tbl[c[i] & 15u];
+    return r;
+#endif
+}
+static inline f32v table_error(f32v x, u32v c, f32v tbl, const int mse) {
+    f32v d = lookup16(tbl, c) - x;
+    return mse ? d * d : (f32v)((u32v)d & 0x7FFFFFFFu);
+}
+/* a candidate's decode table for scale bits `bits`, remade only when they change */
+typedef struct { uint32_t bits; int valid; f32v tbl; } table_cache;
+static inline f32v table_for(table_cache *t, float sf, float amax, float denom) {
+    uint32_t b = f2u(sf);
+    if (!t->valid || t->bits != b) { t->tbl = decode_table(sf, amax, denom); t->bits = b; t->valid = 1; }
+    return t->tbl;
+}
+/* the sums of a tile's 16 blocks in the warp's order (reduce_group_sum_16: shfl_down by 8, 4, 2, 1) */
+static inline float tile_sum(const float *e) {
+    float t[16];
+    for (int i = 0; i < 16; i++) t[i] = e[i];
+    for (int h = 8; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) t[i] = t[i] + t[i + h];
+    return t[0];
+}
+
+#define FP4_4OVER6(NAME, T, LOAD)                                                                 \
+    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t R, int64_t C, \
+            const float *enc4, const float *sf4, const float *enc6, const float *sf6, uint8_t *y, \
+            uint8_t *pick, const int cols, int tile, float amax, float denom, const int mse,      \
+            int64_t r0, int64_t r1) {                                                             \
+        const int64_t nb = C / LANES;                                                             \
+        table_cache t4 = {0}, t6 = {0};                                                           \
+        if (!cols) {  /* rows: stripes of up to 16 rows, one block column at a time */            \
+            for (int64_t s = r0; s < r1; s += 16) {                                               \
+                int h = r1 - s < 16 ? (int)(r1 - s) : 16;                                         \
+                for (int64_t kb = 0; kb < nb; kb++) {                                             \
+                    float terms4[LANES][16], terms6[LANES][16], e4[16], e6[16];                   \
+                    uint8_t c4[16][LANES / 2], c6[16][LANES / 2];                                 \
+                    for (int r = 0; r < h; r++) {                                                 \
+                        const int64_t b = (s + r) * nb + kb;                                      \
+                        f32v v = LOAD(x + (s + r) * C + kb * LANES);                              \
+                        u32v q4 = TO_E2M1(v * enc4[b]), q6 = TO_E2M1(v * enc6[b]);                \
+                        f32v a4 = table_error(v, q4, table_for(&t4, sf4[b], amax, denom), mse);   \
+                        f32v a6 = table_error(v, q6, table_for(&t6, sf6[b], amax, denom), mse);   \
+                        for (int i = 0; i < LANES; i++) { terms4[i][r] = a4[i]; terms6[i][r] = a6[i]; } \
+                        pack_lanes(q4, c4[r]);                                                    \
+                        pack_lanes(q6, c6[r]);                                                    \
+                    }                                                                             \
+                    for (int r = 0; r < h; r++) {                                                 \
+                        e4[r] = terms4[0][r]; e6[r] = terms6[0][r];                               \
+                        for (int i = 1; i < LANES; i++) { e4[r] += terms4[i][r]; e6[r] += terms6[i][r]; } \
+                    }                                                                             \
+                    if (tile) { float a = tile_sum(e4), b = tile_sum(e6);                         \
+                        for (int r = 0; r < 16; r++) { e4[r] = a; e6[r] = b; } }                  \
+                    for (int r = 0; r < h; r++) {                                                 \
+                        int p = e4[r] < e6[r];                                                    \
+                        memcpy(y + (s + r) * (C / 2) + kb * (LANES / 2), p ? c4[r] : c6[r], LANES / 2); \
+                        pick[(s + r) * nb + kb] = (uint8_t)p;                                     \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            return;                                                                               \
+        }                                                                                         \
+        for (int64_t s = r0; s < r1; s += 16) {  /* columns: a block row of 16 rows, 16 columns at a time */ \
+            const float *e4s = enc4 + s / 16 * C, *f4s = sf4 + s / 16 * C;                       \
+            const float *e6s = enc6 + s / 16 * C, *f6s = sf6 + s / 16 * C;                       \
+            for (int64_t j = 0; j < C; j += LANES) {                                              \
+                f32v n4 = load_f32(e4s + j), n6 = load_f32(e6s + j);                              \
+                f32v d4 = load_f32(f4s + j), d6 = load_f32(f6s + j);                              \
+                /* one scale for all 16 lanes (a 2-D tile): the table; else each lane's values */ \
+                int one = 1;                                                                      \
+                for (int i = 1; i < LANES; i++)                                                   \
+                    one &= f2u(d4[i]) == f2u(d4[0]) && f2u(d6[i]) == f2u(d6[0]);                  \
+                f32v tb4 = one ? table_for(&t4, d4[0], amax, denom) : (f32v){};                   \
+                f32v tb6 = one ? table_for(&t6, d6[0], amax, denom) : (f32v){};                   \
+                f32v acc4 = {0}, acc6 = {0};                                                      \
+                u8v b4[8], b6[8];                                                                 \
+                for (int k = 0; k < 16; k += 2) {                                                 \
+                    f32v xa = LOAD(x + (s + k) * C + j), xb = LOAD(x + (s + k + 1) * C + j);     \
+                    u32v a4 = TO_E2M1(xa * n4), bb4 = TO_E2M1(xb * n4);                           \
+                    u32v a6 = TO_E2M1(xa * n6), bb6 = TO_E2M1(xb * n6);                           \
+                    if (one) {                                                                    \
+                        acc4 += table_error(xa, a4, tb4, mse); acc4 += table_error(xb, bb4, tb4, mse); \
+                        acc6 += table_error(xa, a6, tb6, mse); acc6 += table_error(xb, bb6, tb6, mse); \
+                    } else {                                                                      \
+                        acc4 += e2m1_error(xa, a4, d4, amax, denom, mse);                         \
+                        acc4 += e2m1_error(xb, bb4, d4, amax, denom, mse);                        \
+                        acc6 += e2m1_error(xa, a6, d6, amax, denom, mse);                         \
+                        acc6 += e2m1_error(xb, bb6, d6, amax, denom, mse);                        \
+                    }                                                                             \
+                    b4[k / 2] = low_bytes(a4 | (bb4 << 4));                                       \
+                    b6[k / 2] = low_bytes(a6 | (bb6 << 4));                                       \
+                }                                                                                 \
+                if (tile) {                                                                       \
+                    float e[16];                                                                  \
+                    memcpy(e, &acc4, sizeof e); acc4 = (f32v){} + tile_sum(e);                    \
+                    memcpy(e, &acc6, sizeof e); acc6 = (f32v){} + tile_sum(e);                    \
+                }                                                                                 \
+                u8v p = low_bytes((u32v)(acc4 < acc6) & 1u), m = (u8v)(p != 0);  /* NaN: false */ \
+                for (int k = 0; k < 8; k++) {                                                     \
+                    u8v o = (b4[k] & m) | (b6[k] & ~m);                                           \
+                    memcpy(y + (s / 2 + k) * C + j, &o, LANES);                                   \
+                }                                                                                 \
+                memcpy(pick + s / 16 * C + j, &p, LANES);                                         \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    static void NAME(const void *xv, int64_t R, int64_t C, const float *enc4, const float *sf4,  \
+                     const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile, \
+                     float amax, float denom, int mse, int64_t r0, int64_t r1) {                  \
+        if (cols) {                                                                               \
+            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 1, r0, r1); \
+            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 0, r0, r1); \
+        } else {                                                                                  \
+            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 1, r0, r1); \
+            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 0, r0, r1); \
+        }                                                                                         \
+    }
+
+FP4_4OVER6(fp4_4over6_bf16, uint16_t, load_bf16)
+FP4_4OVER6(fp4_4over6_f32, float, load_f32)
+#if defined(__FLT16_MAX__)
+FP4_4OVER6(fp4_4over6_f16, _Float16, load_f16)
+#endif
+
+/* x [R, C] contiguous (in_kind as for the casts), C a multiple of 16; R a multiple of 16 for
+ * columns or tiles. Returns 0, or -1 where it does not apply. */
+int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4, const float *sf4,
+                         const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile,
+                         float amax, float denom, int mse, int threads) {
+    typedef void (*fn_t)(const void *, int64_t, int64_t, const float *, const float *, const float *,
+                         const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t);
+    fn_t fn;
+    switch (in_kind) {
+    case 0: fn = fp4_4over6_bf16; break;
+#if defined(__FLT16_MAX__)
+    case 1: fn = fp4_4over6_f16; break;
+#endif
+    case 2: fn = fp4_4over6_f32; break;
+    default: return -1;
+    }
+    if (C % LANES || ((cols || tile) && R % 16)) return -1;
+    int64_t step = rows_per_thread(R, 16, threads);
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t r0 = 0; r0 < R; r0 += step)
+        fn(x, R, C, enc4, sf4, enc6, sf6, y, pick, cols, tile, amax, denom, mse, r0, r0 + step < R ? r0 + step : R);
+    return 0;
+}
