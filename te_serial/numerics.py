@@ -290,9 +290,7 @@ def scale_and_cast_to_fp4_with_error(x: torch.Tensor, scale: torch.Tensor, sf: t
     """:func:`scale_and_cast_to_fp4`, and per 16 elements along ``dim`` the fp32 sum, in order, of
     err(((q · sf) · amax) / denom − x) with q the codes' values and err |d|, or d² with ``mse``:
     NVFP4 4over6's candidate codes and block errors (quantize_4over6_nvfp4.cuh). The sums keep
-    ``dim`` at a 16th of its size. Compiled on CPU, the C loop of ``native.scale_cast_fp4_error``."""
-    if _c_loop_in_graph(x):
-        return native.scale_cast_fp4_error(x, scale, sf, amax, denom, mse, dim)
+    ``dim`` at a 16th of its size: the eager rule of :func:`scale_and_cast_to_fp4_4over6`'s candidates."""
     xf = x.float()
     codes = cast_to_fp4_codes(xf * scale)
     d = fp4_codes_to_float(codes) * sf * amax / denom - xf

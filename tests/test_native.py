@@ -473,50 +473,6 @@ def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
 
 # --- the FP4 cast with block errors (NVFP4 4over6's candidates) ------------------------------------
 
-def _fp4_error_case(layout, in_dtype):
-    """(x, enc, sf, dim) in the layouts 4over6 uses and a few others the C loop takes."""
-    x, rand = _layout_input(in_dtype, seed=13, magnitude=3, specials=(40.0, -1e4))
-    e4m3 = lambda t: t.clamp(max=448).to(torch.float8_e4m3fn).float()  # noqa: E731 - decoding scales are E4M3
-    return {
-        "rows16": lambda: (x.view(256, 24, 16), rand(256, 24, 1), e4m3(rand(256, 24, 1)), -1),
-        "cols16": lambda: (x.view(16, 16, 384), rand(16, 1, 384), e4m3(rand(16, 1, 384)), -2),
-        "rows48_one_scale": lambda: (x.view(2048, 48), rand(2048, 1), e4m3(rand(2048, 1)), -1),  # 3 blocks a row
-        "rows_each": lambda: (x[:, :320], rand(320), e4m3(rand(320)), -1),  # a scale per element, 20 blocks a row
-    }[layout]()
-
-
-@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["rows16", "cols16", "rows48_one_scale", "rows_each"])
-@pytest.mark.parametrize("mse", [False, True])
-def test_fp4_error_cast_is_the_eager_rule(in_dtype, layout, mse, monkeypatch):
-    """Packed codes and block error sums, bit for bit: the sums add their 16 terms in order (fp32),
-    so any other order would show in the last bits."""
-    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
-    xs, enc, sf, dim = _fp4_error_case(layout, in_dtype)
-    amax, denom = torch.tensor(7.25), torch.tensor(6.0 * 448)
-    want = nx.scale_and_cast_to_fp4_with_error(xs, enc, sf, amax, denom, mse, dim)
-    got = native.scale_cast_fp4_error(xs, enc, sf, amax, denom, mse, dim)
-    assert native._scale_cast_fp4_error_native(native._library(), xs, enc, sf, amax, denom, mse, dim) is not None
-    assert torch.equal(got[0], want[0])
-    assert got[1].shape == want[1].shape and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
-
-
-def test_fp4_error_cast_declines_to_torch_where_the_c_loop_does_not_apply():
-    """An amax per row, decoding scales laid out otherwise than the encoding ones: torch's rule, the
-    same results; blocks that do not divide the dim are an error."""
-    g = torch.Generator().manual_seed(14)
-    x = torch.randn(64, 4, 16, generator=g).to(torch.bfloat16) * 3
-    enc, denom = torch.rand(64, 4, 1, generator=g) + 0.5, torch.tensor(6.0 * 448)
-    per_row_amax, other_layout = torch.rand(64, 1, 1, generator=g) + 1, torch.rand(64, 1, 16, generator=g)
-    for sf, amax in [(enc, per_row_amax), (other_layout, torch.tensor(2.0))]:
-        assert native._scale_cast_fp4_error_native(native._library(), x, enc, sf, amax, denom, False, -1) is None
-        want = nx.scale_and_cast_to_fp4_with_error(x, enc, sf, amax, denom, False, -1)
-        got = native.scale_cast_fp4_error(x, enc, sf, amax, denom, False, -1)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="blocks of 16 along dim -1 or -2"):
-        native.scale_cast_fp4_error(x[:, :3], enc[:, :3], enc[:, :3], torch.tensor(1.0), denom, False, -2)
-
-
 def _4over6_case(in_dtype, along, tile, special):
     """(x [R, C], the candidates' encoding and decoding grids, amax) as NVFP4 4over6 makes them:
     the decoding scales e4m3(b · 1.5) and e4m3(b) with b from each block's (or tile's) maximum, so

@@ -15,7 +15,8 @@
   conversion, so the fused table (fused against eager, byte for byte) holds this kernel to torch's
   roundings, and the oracle tests hold both to TE's.
 * :func:`scale_cast_fp4` is NVFP4's data step by the same rule (E2M1 codes, packed two per byte as
-  they are made), and :func:`scale_cast_fp4_error` adds 4over6's block error sums, in order.
+  they are made), and :func:`scale_cast_fp4_4over6` is 4over6's choice in one pass: both candidates
+  cast, their block errors summed in order, 2-D tiles' sums in the warp's tree order.
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
 package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
@@ -47,7 +48,7 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_error", "scale_cast_fp4_4over6", "available", "cache_dir"]
+           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_4over6", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -133,9 +134,6 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
                 lib.te_serial_scale_cast_fp4.restype = i32
                 f32 = ctypes.c_float
-                lib.te_serial_scale_cast_fp4_error.argtypes = ([ptr] * 5 + [i32] + [i64] * 7
-                                                               + [i32, i32, f32, f32, i32, i32])
-                lib.te_serial_scale_cast_fp4_error.restype = i32
                 lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, i32, f32, f32, i32, i32]
                 lib.te_serial_fp4_4over6.restype = i32
                 _state["lib"], _state["pid"] = lib, os.getpid()
@@ -425,66 +423,6 @@ def scale_cast_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int = -1) -
         raise ValueError(f"scale_cast_fp4 packs pairs along dim -1 or -2 of even size, got dim {dim} of "
                          f"shape {tuple(x.shape)}")
     return _scale_cast_fp4(x, scale, dim)
-
-
-def _fp4_error_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """The block sums' shape: ``shape`` with ``dim`` at a 16th of its size."""
-    out = list(shape)
-    out[dim] //= 16
-    return tuple(out)
-
-
-def _scale_cast_fp4_error_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor,
-                                 amax: torch.Tensor, denom: torch.Tensor, mse: bool,
-                                 dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C E2M1 cast with block errors, or None where it does not take the operands."""
-    if x.shape[-1] % 16 or x.shape[dim] % 16 or amax.numel() != 1 or denom.numel() != 1:
-        return None  # whole 16-lane groups and blocks; one amax (a per-row one runs torch's rule)
-    got = _cast_operands(x, scale)
-    dec = _cast_operands(x, sf)
-    if got is None or dec is None or dec[3:] != got[3:]:
-        return None  # sf laid out as the scale, for one index rule
-    kind, x, s, shape, strides = got
-    y = torch.empty(_fp4_packed_shape(tuple(x.shape), dim), dtype=torch.uint8)
-    err = torch.empty(_fp4_error_shape(tuple(x.shape), dim), dtype=torch.float32)
-    outer = shape[0] * shape[1] * shape[2]
-    if x.numel():
-        if lib.te_serial_scale_cast_fp4_error(
-                x.data_ptr(), s.data_ptr(), dec[2].data_ptr(), y.data_ptr(), err.data_ptr(), kind, shape[3], *shape[:3],
-                *strides, int(dim == -2), float(amax.item()), float(denom.item()), int(mse),
-                _threads(outer // 16, x.numel() * x.element_size(), 1)):
-            return None
-    return y, err
-
-
-@torch.library.custom_op("te_serial::scale_cast_fp4_error", mutates_args=())
-def _scale_cast_fp4_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor,
-                          denom: torch.Tensor, mse: bool, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    got = _on_cpu(_scale_cast_fp4_error_native, x, scale, sf, amax, denom, mse, dim)
-    if got is not None:
-        return got
-    from .. import numerics  # the eager rule itself (numerics imports this module)
-    return numerics.scale_and_cast_to_fp4_with_error(x, scale, sf, amax, denom, mse, dim)
-
-
-@_scale_cast_fp4_error.register_fake
-def _(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool,
-      dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.new_empty(_fp4_packed_shape(tuple(x.shape), dim), dtype=torch.uint8),
-            x.new_empty(_fp4_error_shape(tuple(x.shape), dim), dtype=torch.float32))
-
-
-def scale_cast_fp4_error(x: torch.Tensor, scale: torch.Tensor, sf: torch.Tensor, amax: torch.Tensor,
-                         denom: torch.Tensor, mse: bool, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`scale_cast_fp4`'s packed codes of ``fp32(x) * scale`` and, per 16 elements along ``dim``,
-    the fp32 sum in order of err(((q · sf) · amax) / denom − x), q the codes' values, err |d| or d²
-    (``mse``): ``numerics.scale_and_cast_to_fp4_with_error``, on CPU through the C loop; an opaque
-    op inside a compiled graph. ``sf`` broadcasts to x as ``scale`` does; ``amax`` and ``denom``
-    are one value each for the C loop (else the eager rule runs)."""
-    if dim not in (-1, -2) or x.dim() < -dim or x.shape[dim] % 16:
-        raise ValueError(f"scale_cast_fp4_error sums blocks of 16 along dim -1 or -2, got dim {dim} of "
-                         f"shape {tuple(x.shape)}")
-    return _scale_cast_fp4_error(x, scale, sf, amax, denom, mse, dim)
 
 
 def _grid_shape(shape: tuple[int, ...], along: int) -> tuple[int, int]:

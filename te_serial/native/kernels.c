@@ -382,102 +382,6 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
     return mse ? d * d : (f32v)((u32v)d & 0x7FFFFFFFu);
 }
 
-/* te_serial_scale_cast_fp4's codes with `enc` as the scale, and for each 16 of them along the
- * packing dim the fp32 sum, in order, of e2m1_error with the decoding scales `sf` (laid out as
- * enc): NVFP4 4over6's candidate codes and their block errors (quantize_4over6_nvfp4.cuh). `err`
- * holds one sum per block: [outer, n / 16] packing along rows (blocks run along each row), or
- * [outer / 16, n] packing pairs of rows (blocks of 16 rows, outer a multiple of 16). Along rows,
- * 16 blocks go at a time, their errors transposed through a small buffer so that each lane sums
- * one block's 16 terms in order. */
-#define CAST_FP4_ERR(NAME, T, LOAD)                                                               \
-    /* the loops, inlined with sj and mse constants */                                           \
-    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, const float *enc, const float *sf, \
-            uint8_t *y, float *err, int64_t n, row_walk w, const int sj, int rows, float amax, float denom, \
-            const int mse, int64_t o0, int64_t o1) {                                              \
-        if (rows) {                                                                               \
-            for (int64_t o = o0; o < o1; o += 16) {                                               \
-                int64_t off[16];                                                                  \
-                for (int k = 0; k < 16; k++) off[k] = walk_next(&w);                              \
-                for (int64_t j = 0; j < n; j += LANES) {                                          \
-                    f32v acc = {0};                                                               \
-                    for (int k = 0; k < 16; k += 2) {                                             \
-                        f32v xa = LOAD(x + (o + k) * n + j), xb = LOAD(x + (o + k + 1) * n + j);  \
-                        u32v ca = TO_E2M1(xa * lanes_of(enc + off[k] + j * sj, sj));              \
-                        u32v cb = TO_E2M1(xb * lanes_of(enc + off[k + 1] + j * sj, sj));          \
-                        acc += e2m1_error(xa, ca, lanes_of(sf + off[k] + j * sj, sj), amax, denom, mse); \
-                        acc += e2m1_error(xb, cb, lanes_of(sf + off[k + 1] + j * sj, sj), amax, denom, mse); \
-                        pack_rows(ca, cb, y + (o + k) / 2 * n + j);                               \
-                    }                                                                             \
-                    memcpy(err + o / 16 * n + j, &acc, sizeof acc);                               \
-                }                                                                                 \
-            }                                                                                     \
-            return;                                                                               \
-        }                                                                                         \
-        const int64_t per_row = n / LANES, blocks = (o1 - o0) * per_row;                          \
-        int64_t k = 0, off = 0;                                                                   \
-        float terms[LANES][LANES];  /* terms[i][b]: the i-th error term of block b */             \
-        for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {                                          \
-            int nb = blocks - b0 < LANES ? (int)(blocks - b0) : LANES;                            \
-            for (int b = 0; b < nb; b++) {                                                        \
-                const int64_t at = o0 * n + (b0 + b) * LANES;  /* the block's first element */    \
-                if (k == 0) off = walk_next(&w);                                                  \
-                f32v xb = LOAD(x + at);                                                           \
-                u32v c = TO_E2M1(xb * lanes_of(enc + off + k * LANES * sj, sj));                  \
-                f32v e = e2m1_error(xb, c, lanes_of(sf + off + k * LANES * sj, sj), amax, denom, mse); \
-                for (int i = 0; i < LANES; i++) terms[i][b] = e[i];                               \
-                pack_lanes(c, y + at / 2);                                                        \
-                if (++k == per_row) k = 0;                                                        \
-            }                                                                                     \
-            f32v acc = {0};                                                                       \
-            for (int i = 0; i < LANES; i++) acc += load_f32(terms[i]);                            \
-            memcpy(err + o0 * per_row + b0, &acc, (size_t)nb * sizeof(float));                    \
-        }                                                                                         \
-    }                                                                                             \
-    static void NAME(const void *xv, const float *enc, const float *sf, uint8_t *y, float *err,  \
-                     int64_t n, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int rows, \
-                     float amax, float denom, int mse, int64_t o0, int64_t o1) {                  \
-        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
-        switch (sj * 2 + mse) {                                                                   \
-        case 0: NAME##_loop(xv, enc, sf, y, err, n, w, 0, rows, amax, denom, 0, o0, o1); break;  \
-        case 1: NAME##_loop(xv, enc, sf, y, err, n, w, 0, rows, amax, denom, 1, o0, o1); break;  \
-        case 2: NAME##_loop(xv, enc, sf, y, err, n, w, 1, rows, amax, denom, 0, o0, o1); break;  \
-        default: NAME##_loop(xv, enc, sf, y, err, n, w, 1, rows, amax, denom, 1, o0, o1);        \
-        }                                                                                         \
-    }
-
-CAST_FP4_ERR(fp4_err_bf16, uint16_t, load_bf16)
-CAST_FP4_ERR(fp4_err_f32, float, load_f32)
-#if defined(__FLT16_MAX__)
-CAST_FP4_ERR(fp4_err_f16, _Float16, load_f16)
-#endif
-
-/* te_serial_scale_cast_fp4 with block errors (CAST_FP4_ERR): the same operands, plus `sf` (laid out
- * as `scale`), `err`, amax, denom and mse. Returns 0, or -1 where it does not apply (as the cast,
- * and packing pairs of rows needs the rows in whole blocks of 16). */
-int te_serial_scale_cast_fp4_error(const void *x, const float *scale, const float *sf, uint8_t *y, float *err,
-                                   int in_kind, int64_t n, int64_t d0, int64_t d1, int64_t d2, int64_t s0,
-                                   int64_t s1, int64_t s2, int sj, int rows, float amax, float denom, int mse,
-                                   int threads) {
-    typedef void (*cast_fn)(const void *, const float *, const float *, uint8_t *, float *, int64_t, int64_t,
-                            int64_t, int64_t, int64_t, int64_t, int, int, float, float, int, int64_t, int64_t);
-    cast_fn fn;
-    switch (in_kind) {
-    case 0: fn = fp4_err_bf16; break;
-#if defined(__FLT16_MAX__)
-    case 1: fn = fp4_err_f16; break;
-#endif
-    case 2: fn = fp4_err_f32; break;
-    default: return -1;
-    }
-    int64_t outer = d0 * d1 * d2, step = rows_per_thread(outer, rows ? 16 : 1, threads);
-    if (n % LANES || (rows && outer % 16)) return -1;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t o0 = 0; o0 < outer; o0 += step)
-        fn(x, scale, sf, y, err, n, d1, d2, s0, s1, s2, sj, rows, amax, denom, mse, o0,
-           o0 + step < outer ? o0 + step : outer);
-    return 0;
-}
-
 /* in_kind: 0 bf16, 1 fp16, 2 fp32. Returns 0, or -1 for a kind not built or n not a multiple of
  * LANES (the callers then run torch's ops). With `rows`, d0 * d1 * d2 is even (pairs of rows). */
 int te_serial_scale_cast_fp4(const void *x, const float *scale, uint8_t *y, int in_kind, int64_t n,
@@ -566,7 +470,7 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
  * blocks [R, C / 16], codes [R, C / 2]) or `cols` == 1 (columns: blocks [R / 16, C], codes packed as
  * pairs of rows [R / 2, C]) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
  * map-to-6; per-block fp32 grids), each candidate's error summed in order over the block as
- * te_serial_scale_cast_fp4_error does, and with `tile` the 16 blocks of a 16 x 16 tile (16 rows of
+ * (fp32, the 16 terms in order), and with `tile` the 16 blocks of a 16 x 16 tile (16 rows of
  * one block column, or 16 columns of one block row) add their sums in the warp's tree order (i and
  * i + 8, then i + 4, 2, 1). The block keeps map-to-4's codes where that sum is strictly lower
  * (a NaN sum keeps map-to-6); pick[block] says which.
