@@ -146,6 +146,15 @@ def fp8_to_float(bits: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return bits.view(fp8_dtype).float()
 
 
+def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values of FP8 bits times ``scale`` (fp32, broadcastable to the bits, which keep their
+    shape): every FP8 format's dequantize step. Eager: torch's conversion, then the product in place.
+    Compiled on CPU, the C loop of ``native.dequantize_fp8`` (the same bits; NaN payloads aside)."""
+    if _c_loop_in_graph(bits):
+        return native.dequantize_fp8(bits, scale, fp8_dtype)
+    return fp8_to_float(bits, fp8_dtype).mul_(scale)
+
+
 def scale_from_amax(amax: torch.Tensor, max_fp8: float, *, force_pow_2_scales: bool,
                     epsilon: float, value_for_inf: float) -> torch.Tensor:
     """Quantization scale from amax: ``compute_scale_from_amax`` (common/recipe/recipe_common.cuh).

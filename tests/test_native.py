@@ -16,6 +16,7 @@ import torch
 from te_serial import native
 from te_serial import numerics as nx  # the eager rule the C cast must equal
 from te_serial.formats import fused
+from helpers import same_values
 
 # rows and cols around the kernel's 64-row stripes and 16 x 16 tiles, and destination rows that are
 # not 16-byte aligned (streamed vs plain stores)
@@ -534,6 +535,35 @@ def test_4over6_pass_declines_and_refuses():
         native.scale_cast_fp4_4over6(x[:, :40], g, g, g, g, amax, denom, False, 1, False)
     with pytest.raises(ValueError, match="tiles: both"):
         native.scale_cast_fp4_4over6(x[:200], enc4, sf4, enc6, sf6, amax, denom, False, 1, True)
+
+
+# --- FP8 dequantize ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
+@pytest.mark.parametrize("layout", ["tensor", "row32", "col32", "tile128", "odd"])
+def test_dequantize_is_torchs_conversion_times_the_scale(fp8_dtype, layout, monkeypatch):
+    """Every code (NaN, infinities, subnormals, both zeros) in each scale layout the formats use,
+    with scales that overflow, underflow, and a NaN: the bits of torch's conversion times the scale,
+    NaN where it gives NaN; split between threads too."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    g = torch.Generator().manual_seed(21)
+    codes = torch.randint(0, 256, (256, 384), dtype=torch.uint8, generator=g)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)
+    rand = lambda *shape: torch.rand(*shape, generator=g) * 3 + 2.0 ** -12  # noqa: E731
+    q, s = {
+        "tensor": (codes, torch.tensor([3.0e38])),
+        "row32": (codes.view(256, 12, 32), rand(256, 12, 1)),
+        "col32": (codes.view(8, 32, 384), rand(8, 1, 384)),
+        "tile128": (codes[:, :256].contiguous().view(2, 128, 2, 128), rand(2, 1, 2, 1)),
+        "odd": (codes[:, :200].contiguous(), rand(256, 1)),  # rows of 12 lanes and a tail of 8
+    }[layout]
+    if layout != "tensor":
+        s.view(-1)[:3] = torch.tensor([float("nan"), 1e-39, 2.0 ** 100])
+    want = q.view(fp8_dtype).float() * s
+    got = native.dequantize_fp8(q, s, fp8_dtype)
+    assert native._dequantize_native(native._library(), q, s, fp8_dtype == torch.float8_e5m2) is not None
+    assert same_values(got, want)
+    assert torch.isnan(got).any() and (got == 0).any()
 
 
 # --- the FP8 cast with its codes transposed --------------------------------------------------------

@@ -32,15 +32,21 @@ class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """Blockwise FP8 tensor (TE's ``Float8BlockwiseQTensor``)."""
 
 
-def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
-            fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x * (scale of its block) for per-block scales [ceil(M/rows), ceil(K/cols)]; as FP8 bits
-    if ``fp8_dtype`` is given, else fp32 values."""
+def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 bits of x * (scale of its block) for per-block scales [ceil(M/rows), ceil(K/cols)]."""
     m, k = x2.shape
     blocks, s = _blocks_and_scales(x2, scale, rows, cols)
-    out = blocks.float() * s if fp8_dtype is None else nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype)
     mb, _, kb, _ = blocks.shape
-    return out.reshape(mb * rows, kb * cols)[:m, :k]
+    return nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype).reshape(mb * rows, kb * cols)[:m, :k]
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values of FP8 codes [M, K] (uint8) times the scale of their block (per-block scales
+    [ceil(M/rows), ceil(K/cols)])."""
+    m, k = codes.shape
+    blocks, s = _blocks_and_scales(codes, scale, rows, cols)
+    mb, _, kb, _ = blocks.shape
+    return nx.dequantize_fp8(blocks, s, fp8_dtype).reshape(mb * rows, kb * cols)[:m, :k]
 
 
 def _scaled_transposed(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype: torch.dtype,
@@ -191,12 +197,12 @@ class Float8BlockQuantizer(Quantizer):
         m, k = flatten_2d(shape)
         rows = BLOCK if self.block_scaling_dim == 2 else 1
         if "_rowwise_data" in buffers:
-            q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k)
+            q = buffers["_rowwise_data"].view(torch.uint8).reshape(m, k)
             s = self.block_scales(buffers, shape, ROWWISE)
-            return _scaled(q, s, rows, BLOCK).reshape(shape)
-        qt = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(k, m)
+            return _dequantized(q, s, rows, BLOCK, self.fp8_dtype).reshape(shape)
+        qt = buffers["_columnwise_data"].view(torch.uint8).reshape(k, m)
         s = self.block_scales(buffers, shape, COLUMNWISE).t()  # on the transposed data [K, M]
-        return _scaled(qt, s, rows, BLOCK).t().reshape(shape)
+        return _dequantized(qt, s, rows, BLOCK, self.fp8_dtype).t().reshape(shape)
 
 
 class _BlockwiseTE(TEAdapter):

@@ -113,8 +113,8 @@ class _PerTensorFP8:
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         scale_inv = buffers["_scale_inv"]
         if "_data" in buffers:
-            return nx.fp8_to_float(buffers["_data"], self.fp8_dtype) * scale_inv
-        values = nx.fp8_to_float(buffers["_transpose"], self.fp8_dtype) * scale_inv
+            return nx.dequantize_fp8(buffers["_data"], scale_inv, self.fp8_dtype)
+        values = nx.dequantize_fp8(buffers["_transpose"], scale_inv, self.fp8_dtype)
         return values.movedim(0, -1).contiguous()
 
 

@@ -147,12 +147,12 @@ class MXFP8Quantizer(Quantizer):
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         m, k = flatten_2d(tuple(shape))
         if "_rowwise_data" in buffers:
-            q = nx.fp8_to_float(buffers["_rowwise_data"], self.fp8_dtype).reshape(m, k // BLOCK, BLOCK)
+            q = buffers["_rowwise_data"].reshape(m, k // BLOCK, BLOCK)
             s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, ROWWISE))
-            return q.mul_(s[..., None]).reshape(shape)  # in place: q is fresh fp32 (one tensor's worth, not two)
-        q = nx.fp8_to_float(buffers["_columnwise_data"], self.fp8_dtype).reshape(m // BLOCK, BLOCK, k)
+            return nx.dequantize_fp8(q, nx.per_block(s)[..., None], self.fp8_dtype).reshape(shape)
+        q = buffers["_columnwise_data"].reshape(m // BLOCK, BLOCK, k)
         s = nx.e8m0_dequant_scale(self.block_scales(buffers, shape, COLUMNWISE))
-        return q.mul_(s[:, None, :]).reshape(shape)
+        return nx.dequantize_fp8(q, nx.per_block(s)[:, None, :], self.fp8_dtype).reshape(shape)
 
 
 class _MXFP8TE(TEAdapter):

@@ -48,7 +48,7 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_4over6", "available", "cache_dir"]
+           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_4over6", "dequantize_fp8", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -136,6 +136,8 @@ def _library() -> ctypes.CDLL | None:
                 f32 = ctypes.c_float
                 lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, i32, f32, f32, i32, i32]
                 lib.te_serial_fp4_4over6.restype = i32
+                lib.te_serial_dequant_fp8.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32]
+                lib.te_serial_dequant_fp8.restype = None
                 _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -265,10 +267,10 @@ def _cast_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tupl
     return tuple(n for n, _ in outer) + (inner[0],), tuple(st for _, st in outer) + (inner[1],)
 
 
-def _cast_operands(x: torch.Tensor, scale: torch.Tensor | None) -> tuple | None:
-    """(input kind, contiguous x, fp32 scale, shape, scale strides) as the C casts take them, or None
-    where they do not (then torch's ops run)."""
-    kind = _IN_KINDS.get(x.dtype)
+def _cast_operands(x: torch.Tensor, scale: torch.Tensor | None, kind: int | None = None) -> tuple | None:
+    """(input kind, contiguous x, fp32 scale, shape, scale strides) as the C loops take them, or None
+    where they do not (then torch's ops run). ``kind``: given for inputs other than the casts'."""
+    kind = _IN_KINDS.get(x.dtype) if kind is None else kind
     if kind is None or x.device.type != "cpu":
         return None
     s = torch.ones((), dtype=torch.float32) if scale is None else scale
@@ -376,6 +378,42 @@ def scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, fp8_d
         raise ValueError(f"scale_cast_fp8_transposed: a {rows}x{width} array is not shape {tuple(x.shape)}")
     codes, transposed = _scale_cast_fp8_transposed(x, scale, fp8_dtype == torch.float8_e5m2, rows, width, keep_rows)
     return (codes if keep_rows else None), transposed
+
+
+def _dequantize_native(lib: ctypes.CDLL, bits: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torch.Tensor | None:
+    """The C dequantize, or None where it does not take the operands (then torch's ops run)."""
+    got = _cast_operands(bits.view(torch.uint8), scale, kind=-1)
+    if got is None:
+        return None
+    _, q, s, shape, strides = got
+    y = torch.empty(q.shape, dtype=torch.float32)
+    outer = shape[0] * shape[1] * shape[2]
+    if q.numel():
+        lib.te_serial_dequant_fp8(q.data_ptr(), s.data_ptr(), y.data_ptr(), int(e5m2), shape[3], *shape[:3], *strides,
+                                  _threads(outer, q.numel() * 5, 1))
+    return y
+
+
+@torch.library.custom_op("te_serial::dequantize_fp8", mutates_args=())
+def _dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    y = _on_cpu(_dequantize_native, bits, scale, e5m2)
+    if y is not None:
+        return y
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    return numerics.dequantize_fp8(bits, scale, torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+
+
+@_dequantize_fp8.register_fake
+def _(bits: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    return torch.empty_like(bits, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``numerics.dequantize_fp8``: fp32 of the FP8 codes ``bits`` (uint8 or FP8) times ``scale`` (fp32,
+    broadcastable to them), on CPU through a C loop of 16 lanes; an opaque op inside a compiled graph
+    (inductor's fp8 → fp32 conversion ran lane by lane). NaN codes give a NaN (payloads aside, as
+    torch's). Where the C loop does not take the operands the eager rule runs."""
+    return _dequantize_fp8(bits, scale, fp8_dtype == torch.float8_e5m2)
 
 
 def _fp4_packed_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

@@ -425,6 +425,73 @@ static fp8_cast_fn fp8_cast_of(int in_kind, int e5m2) {
     }
 }
 
+/* fp32 values of FP8 codes (16 per lane group): torch's conversion bit for bit where the value is a
+ * number (exact: normals rebiased, subnormals m * 2^-9 or m * 2^-16, signed zeros), and a NaN where
+ * the code is one (E4M3 0x7F / 0xFF; E5M2 exponent 31 with a mantissa; E5M2 infinities stay). */
+static inline f32v e4m3_values(u32v c) {
+    u32v e = (c >> 3) & 15u, m = c & 7u;
+    u32v normal = ((e + 120u) << 23) | (m << 20);
+    u32v sub = (u32v)(__builtin_convertvector((i32v)m, f32v) * 0x1p-9f);
+    u32v v = select_lt(e, 1u, sub, normal);
+    v = select_gt(c & 0x7Fu, 0x7Eu, (u32v){} + 0x7FF00000u, v);  /* NaN, as c10's conversion makes it */
+    return (f32v)(v | ((c & 0x80u) << 24));
+}
+static inline f32v e5m2_values(u32v c) {
+    u32v e = (c >> 2) & 31u, m = c & 3u;
+    u32v normal = ((e + 112u) << 23) | (m << 21);
+    u32v sub = (u32v)(__builtin_convertvector((i32v)m, f32v) * 0x1p-16f);
+    u32v v = select_lt(e, 1u, sub, normal);
+    v = select_gt(e, 30u, 0x7F800000u | (m << 21) | select_gt(m, 0u, (u32v){} + 0x400000u, (u32v){}), v);
+    return (f32v)(v | ((c & 0x80u) << 24));
+}
+static inline u32v load_u8(const uint8_t *p) {  /* through 16-bit lanes: GCC widens 8 to 32 bits lane by lane */
+    u8v b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, u16v), u32v);
+}
+
+/* y = fp32(code) * scale over rows laid out and scaled as for the casts (CAST_ROW): an FP8
+ * dequantize, one read of the codes and one write of the values */
+#define DEQUANT_ROW(NAME, VALUES)                                                                 \
+    static inline void NAME##_lanes(const uint8_t *restrict q, f32v sv, float *restrict y) {      \
+        f32v v = VALUES(load_u8(q)) * sv;                                                         \
+        memcpy(y, &v, sizeof v);                                                                  \
+    }                                                                                             \
+    static __attribute__((noinline)) void NAME##_tail(const uint8_t *q, const float *s, int sj, float *y, int64_t m) { \
+        uint8_t qt[LANES] = {0}; float st[LANES] = {0}, yt[LANES];                                \
+        memcpy(qt, q, (size_t)m);                                                                 \
+        if (sj) memcpy(st, s, (size_t)m * sizeof(float));                                         \
+        NAME##_lanes(qt, sj ? load_f32(st) : (f32v){} + s[0], yt);                                \
+        memcpy(y, yt, (size_t)m * sizeof(float));                                                 \
+    }                                                                                             \
+    static void NAME(const uint8_t *q, const float *scale, float *y, int64_t n, int64_t d1, int64_t d2, \
+                     int64_t s0, int64_t s1, int64_t s2, int sj, int64_t o0, int64_t o1) {        \
+        const int64_t whole = n / LANES * LANES;                                                  \
+        row_walk w = walk_from(o0, d1, d2, s0, s1, s2);                                           \
+        for (int64_t o = o0; o < o1; o++) {                                                       \
+            const float *s = scale + walk_next(&w);                                               \
+            const uint8_t *qr = q + o * n;                                                        \
+            float *yr = y + o * n;                                                                \
+            if (sj) for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(qr + j, load_f32(s + j), yr + j); \
+            else for (int64_t j = 0; j < whole; j += LANES) NAME##_lanes(qr + j, (f32v){} + s[0], yr + j); \
+            if (whole < n) NAME##_tail(qr + whole, s + (sj ? whole : 0), sj, yr + whole, n - whole); \
+        }                                                                                         \
+    }
+
+DEQUANT_ROW(dequant_e4m3, e4m3_values)
+DEQUANT_ROW(dequant_e5m2, e5m2_values)
+
+void te_serial_dequant_fp8(const uint8_t *q, const float *scale, float *y, int e5m2, int64_t n, int64_t d0,
+                           int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj, int threads) {
+    int64_t rows = d0 * d1 * d2, step = rows_per_thread(rows, 1, threads);
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t o0 = 0; o0 < rows; o0 += step) {
+        int64_t o1 = o0 + step < rows ? o0 + step : rows;
+        if (e5m2) dequant_e5m2(q, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1);
+        else dequant_e4m3(q, scale, y, n, d1, d2, s0, s1, s2, sj, o0, o1);
+    }
+}
+
 /* Returns 0, or -1 for a kind not built. */
 int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int in_kind, int e5m2, int64_t n,
                              int64_t d0, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
