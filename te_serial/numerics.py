@@ -127,6 +127,19 @@ def scale_and_cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | None,
     return bits.masked_fill_(bits == 0xFF, 0x7F)
 
 
+def scale_and_cast_to_fp8_pair(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                               fp8_dtype: torch.dtype, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 codes of x [M, K] scaled by its 1×b blocks' ``row_scale`` [M, K/b], and by its b×1
+    blocks' ``col_scale`` [M/b, K], each :func:`scale_and_cast_to_fp8`, as [M, K] both (MXFP8's two
+    usages). Compiled on CPU, one C loop reads x once for both (``native.scale_cast_fp8_pair``)."""
+    if _c_loop_in_graph(x):
+        return native.scale_cast_fp8_pair(x, row_scale, col_scale, fp8_dtype, b)
+    m, k = x.shape
+    rows = scale_and_cast_to_fp8(x.reshape(m, k // b, b), row_scale[..., None], fp8_dtype)
+    cols = scale_and_cast_to_fp8(x.reshape(m // b, b, k), col_scale[:, None, :], fp8_dtype)
+    return rows.reshape(m, k), cols.reshape(m, k)
+
+
 def scale_and_cast_to_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
                                      shape: tuple[int, int],
                                      keep_rows: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -537,6 +537,43 @@ def test_4over6_pass_declines_and_refuses():
         native.scale_cast_fp4_4over6(x[:200], enc4, sf4, enc6, sf6, amax, denom, False, 1, True)
 
 
+# --- both usages of 1 x b / b x 1 blocks from one read -------------------------------------------
+
+@pytest.mark.parametrize("fp8_dtype", FP8_TYPES)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b", [32, 128])
+def test_paired_cast_is_two_casts(fp8_dtype, in_dtype, b, monkeypatch):
+    """MXFP8's two usages (1×32 and 32×1 blocks), and blocks of 128: each output equals the eager
+    cast with its own blocks' scales, on inputs with ±0, tiny values and infinities, split between
+    threads too."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    x, rand = _layout_input(in_dtype, seed=22, magnitude=300)
+    m, k = x.shape
+    rs, cs = rand(m, k // b), rand(m // b, k)
+    assert native._scale_cast_pair_native(native._library(), x, rs, cs, fp8_dtype, b) is not None
+    rows, cols = native.scale_cast_fp8_pair(x, rs, cs, fp8_dtype, b)
+    want_rows = _eager_codes(x.reshape(m, k // b, b), rs[..., None], fp8_dtype).reshape(m, k)
+    want_cols = _eager_codes(x.reshape(m // b, b, k), cs[:, None, :], fp8_dtype).reshape(m, k)
+    assert torch.equal(rows.view(torch.uint8), want_rows) and torch.equal(cols.view(torch.uint8), want_cols)
+
+
+def test_paired_cast_declines_and_refuses():
+    """Blocks that are not a power of two, scales of other shapes: the eager rule, the same codes;
+    blocks that do not divide the shape are an error."""
+    x, rand = _layout_input(torch.bfloat16, seed=23, magnitude=3)
+    x48 = x[:240].contiguous()  # 5 x 48 rows, 8 x 48 columns
+    rs, cs = rand(240, 8), rand(5, 384)
+    assert native._scale_cast_pair_native(native._library(), x48, rs, cs, torch.float8_e4m3fn, 48) is None
+    got = native.scale_cast_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48)
+    want = nx.scale_and_cast_to_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48)
+    assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    one_per_row = rand(256, 1)  # not [M, K/b]
+    assert native._scale_cast_pair_native(native._library(), x, one_per_row, rand(8, 384), torch.float8_e4m3fn,
+                                          32) is None
+    with pytest.raises(ValueError, match="blocks of 32 do not divide"):
+        native.scale_cast_fp8_pair(x[:, :100], rand(256, 3), rand(8, 100), torch.float8_e4m3fn, 32)
+
+
 # --- FP8 dequantize ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fp8_dtype", FP8_TYPES)

@@ -129,6 +129,10 @@ class MXFP8Quantizer(Quantizer):
         exps = dict(zip(exps, nx.per_blocks(*exps.values())))
         scales = dict(zip(exps, nx.per_blocks(*(nx.e8m0_quant_scale(e) for e in exps.values()))))
         out = {}
+        if self.rowwise and self.columnwise and tile is None:  # both usages from one read of x
+            q, qc = nx.scale_and_cast_to_fp8_pair(xc, scales[ROWWISE], scales[COLUMNWISE], self.fp8_dtype, BLOCK)
+            return {"_rowwise_data": q, "_rowwise_scale_inv": exps[ROWWISE],
+                    "_columnwise_data": qc, "_columnwise_scale_inv": exps[COLUMNWISE]}
         if self.rowwise:
             q = nx.scale_and_cast_to_fp8(xc.reshape(rows, k // BLOCK, BLOCK), scales[ROWWISE][..., None],
                                          self.fp8_dtype)

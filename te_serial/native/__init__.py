@@ -48,7 +48,7 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp4", "scale_cast_fp4_4over6", "dequantize_fp8", "available", "cache_dir"]
+           "scale_cast_fp8_transposed", "scale_cast_fp8_pair", "scale_cast_fp4", "scale_cast_fp4_4over6", "dequantize_fp8", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -138,6 +138,8 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_fp4_4over6.restype = i32
                 lib.te_serial_dequant_fp8.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32]
                 lib.te_serial_dequant_fp8.restype = None
+                lib.te_serial_scale_cast_fp8_pair.argtypes = [ptr] * 5 + [i32, i32, i64, i64, i64, i32]
+                lib.te_serial_scale_cast_fp8_pair.restype = i32
                 _state["lib"], _state["pid"] = lib, os.getpid()
             except (OSError, subprocess.SubprocessError) as e:
                 _state["lib"] = None
@@ -414,6 +416,53 @@ def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     (inductor's fp8 → fp32 conversion ran lane by lane). NaN codes give a NaN (payloads aside, as
     torch's). Where the C loop does not take the operands the eager rule runs."""
     return _dequantize_fp8(bits, scale, fp8_dtype == torch.float8_e5m2)
+
+
+def _scale_cast_pair_native(lib: ctypes.CDLL, x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                            fp8_dtype: torch.dtype, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The paired C cast, or None where it does not take the operands."""
+    kind = _IN_KINDS.get(x.dtype)
+    m, k = x.shape
+    if (kind is None or row_scale.shape != (m, k // b) or col_scale.shape != (m // b, k)
+            or any(s.dtype != torch.float32 or s.device.type != "cpu" for s in (row_scale, col_scale))):
+        return None
+    x, rs, cs = x.contiguous(), row_scale.contiguous(), col_scale.contiguous()
+    yr, yc = torch.empty((m, k), dtype=torch.uint8), torch.empty((m, k), dtype=torch.uint8)
+    if x.numel() and lib.te_serial_scale_cast_fp8_pair(
+            x.data_ptr(), rs.data_ptr(), cs.data_ptr(), yr.data_ptr(), yc.data_ptr(), kind,
+            int(fp8_dtype == torch.float8_e5m2), m, k, b, _threads(m, x.numel() * x.element_size(), 1)):
+        return None  # a kind this build lacks, a block size it does not take
+    return yr.view(fp8_dtype), yc.view(fp8_dtype)
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp8_pair", mutates_args=())
+def _scale_cast_fp8_pair(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, e5m2: bool,
+                         b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    got = _on_cpu(_scale_cast_pair_native, x, row_scale, col_scale, fp8_dtype, b)
+    if got is not None:
+        return got
+    from .. import numerics  # the eager rule itself (numerics imports this module)
+    return numerics.scale_and_cast_to_fp8_pair(x, row_scale, col_scale, fp8_dtype, b)
+
+
+@_scale_cast_fp8_pair.register_fake
+def _(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, e5m2: bool,
+      b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    return (torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format),
+            torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format))
+
+
+def scale_cast_fp8_pair(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.scale_and_cast_to_fp8_pair``: the codes of x [M, K] times its 1×b blocks' scales
+    ([M, K/b]) and times its b×1 blocks' scales ([M/b, K]) from one read of x (both usages of
+    MXFP8), on CPU through a C loop; an opaque op inside a compiled graph."""
+    m, k = x.shape
+    if b <= 0 or m % b or k % b:
+        raise ValueError(f"scale_cast_fp8_pair: blocks of {b} do not divide shape {tuple(x.shape)}")
+    return _scale_cast_fp8_pair(x, row_scale, col_scale, fp8_dtype == torch.float8_e5m2, b)
 
 
 def _fp4_packed_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

@@ -505,6 +505,63 @@ int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int 
     return 0;
 }
 
+/* Both usages of a 1 x b / b x 1 block format from one read of x [rows, cols]: yr = codes of x times
+ * its row block's scale (rs [rows, cols / b]), yc = codes of x times its column block's scale
+ * (cs [rows / b, cols]); each the cast's rule. One loop over each row serves both, so the row scale
+ * changes every b elements without a row loop per block (MXFP8's 1 x 32 rows ran 40% slower so). */
+#define CAST_PAIR(NAME, T, LOAD, TO)                                                              \
+    static void NAME(const T *x, const float *rs, const float *cs, uint8_t *yr, uint8_t *yc, int64_t cols, \
+                     int64_t b, int64_t r0, int64_t r1) {                                         \
+        const int64_t nb = cols / b;                                                              \
+        int shift = 0;                                                                            \
+        while ((1 << shift) < b) shift++;  /* b a power of two: j / b as a shift */               \
+        for (int64_t r = r0; r < r1; r++) {                                                       \
+            const T *xr = x + r * cols;                                                           \
+            const float *rsr = rs + r * nb, *csr = cs + r / b * cols;                             \
+            for (int64_t j = 0; j < cols; j += LANES) {                                           \
+                f32v v = LOAD(xr + j);                                                            \
+                u8v a = TO(v * rsr[j >> shift]), c = TO(v * load_f32(csr + j));                        \
+                memcpy(yr + r * cols + j, &a, LANES);                                             \
+                memcpy(yc + r * cols + j, &c, LANES);                                             \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+CAST_PAIR(pair_bf16_e4m3, uint16_t, load_bf16, TO_E4M3)
+CAST_PAIR(pair_bf16_e5m2, uint16_t, load_bf16, TO_E5M2)
+CAST_PAIR(pair_f32_e4m3, float, load_f32, TO_E4M3)
+CAST_PAIR(pair_f32_e5m2, float, load_f32, TO_E5M2)
+#if defined(__FLT16_MAX__)
+CAST_PAIR(pair_f16_e4m3, _Float16, load_f16, TO_E4M3)
+CAST_PAIR(pair_f16_e5m2, _Float16, load_f16, TO_E5M2)
+#endif
+
+/* in_kind and e5m2 as for te_serial_scale_cast_fp8; b a power of two, at least LANES, dividing rows and cols.
+ * Returns 0, or -1 where it does not apply. */
+int te_serial_scale_cast_fp8_pair(const void *x, const float *rs, const float *cs, uint8_t *yr, uint8_t *yc,
+                                  int in_kind, int e5m2, int64_t rows, int64_t cols, int64_t b, int threads) {
+    typedef void (*fn_t)(const void *, const float *, const float *, uint8_t *, uint8_t *, int64_t, int64_t,
+                         int64_t, int64_t);
+    fn_t fn;
+    switch (in_kind * 2 + e5m2) {
+    case 0: fn = (fn_t)pair_bf16_e4m3; break;
+    case 1: fn = (fn_t)pair_bf16_e5m2; break;
+#if defined(__FLT16_MAX__)
+    case 2: fn = (fn_t)pair_f16_e4m3; break;
+    case 3: fn = (fn_t)pair_f16_e5m2; break;
+#endif
+    case 4: fn = (fn_t)pair_f32_e4m3; break;
+    case 5: fn = (fn_t)pair_f32_e5m2; break;
+    default: return -1;
+    }
+    if (b < LANES || (b & (b - 1)) || rows % b || cols % b) return -1;
+    int64_t step = rows_per_thread(rows, 1, threads);
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t r0 = 0; r0 < rows; r0 += step)
+        fn(x, rs, cs, yr, yc, cols, b, r0, r0 + step < rows ? r0 + step : rows);
+    return 0;
+}
+
 /* te_serial_scale_cast_fp8 whose codes, as a row-major [rows, cols] array (each row whole outer rows
  * of n), are also written transposed to yt [cols, rows]: 64 rows at a time, cast, then transposed
  * while they are in cache (rather than read back from memory). With y NULL only the transpose is
