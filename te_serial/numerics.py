@@ -327,8 +327,9 @@ def scale_and_cast_to_fp4_4over6(x2: torch.Tensor, enc4: torch.Tensor, sf4: torc
                                  sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool,
                                  along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 4over6's choice (quantize_4over6_nvfp4.cuh) for x2 [R, C] in blocks of 16 along dim
-    ``along`` (1: per-block grids [R, C/16]; 0: [R/16, C]): (codes packed along the blocks, [R, C/16, 8]
-    or [R/16, 8, C], of the candidate chosen per block; whether it is map-to-4, shaped as the grids).
+    ``along`` (1: per-block grids [R, C/16]; 0: [R/16, C]; with ``tile``, grids per 16×16 tile
+    [R/16, C/16]): (codes packed along the blocks, [R, C/16, 8] or [R/16, 8, C], of the candidate
+    chosen per block or tile; whether it is map-to-4, shaped as the grids).
 
     Each candidate (``enc4``/``sf4`` map-to-4, ``enc6``/``sf6`` map-to-6) is cast and its block
     errors summed as :func:`scale_and_cast_to_fp4_with_error`; with ``tile`` the 16 blocks of a 16×16
@@ -339,26 +340,29 @@ def scale_and_cast_to_fp4_4over6(x2: torch.Tensor, enc4: torch.Tensor, sf4: torc
         return native.scale_cast_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
     r, c = x2.shape
     bd = 2 if along == 1 else 1  # the dim of a block's 16 elements
+    gd = 3 - bd  # the grid dim along which a tile's 16 blocks lie: rows (along=1) or columns (along=0)
     blocks = x2.reshape(r, c // 16, 16) if along == 1 else x2.reshape(r // 16, 16, c)
+    if tile:  # each tile's scales spread to its 16 blocks
+        enc4, sf4, enc6, sf6 = (t.repeat_interleave(16, dim=gd - 1) for t in (enc4, sf4, enc6, sf6))
     out = []
     for enc, sf in ((enc4, sf4), (enc6, sf6)):
         data, err = scale_and_cast_to_fp4_with_error(blocks, enc.unsqueeze(bd), sf.unsqueeze(bd), amax.unsqueeze(bd),
                                                      denom, mse, dim=bd - 3)
         err = err.squeeze(bd)
         if tile:
-            gd = 3 - bd  # a tile's 16 blocks: consecutive rows (along=1) or columns (along=0) of the grid
             t = err.unflatten(gd - 1, (-1, 16))
             while t.shape[gd] > 1:
                 h = t.shape[gd] // 2
                 t = t.narrow(gd, 0, h) + t.narrow(gd, h, h)
-            err = t.flatten(gd - 1, gd).repeat_interleave(16, dim=gd - 1)
+            err = t.squeeze(gd)  # one sum per tile
         out.append((data, err))
     (d4, e4), (d6, e6) = out
     pick4 = e4 < e6
+    each = pick4.repeat_interleave(16, dim=gd - 1) if tile else pick4  # per block
     if bd == 2:  # a block's 8 packed bytes as one int64: one select per block, not a loop of 8 bytes (scalar)
-        data = torch.where(pick4.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8)
+        data = torch.where(each.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8)
     else:
-        data = torch.where(pick4.unsqueeze(1), d4, d6)
+        data = torch.where(each.unsqueeze(1), d4, d6)
     return data, pick4
 
 

@@ -476,15 +476,15 @@ def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
 
 def _4over6_case(in_dtype, along, tile, special):
     """(x [R, C], the candidates' encoding and decoding grids, amax) as NVFP4 4over6 makes them:
-    the decoding scales e4m3(b · 1.5) and e4m3(b) with b from each block's (or tile's) maximum, so
-    that near ties pick either candidate. 1-D rows take 200 rows (a last stripe of 8)."""
+    the decoding scales e4m3(b · 1.5) and e4m3(b) with b from each block's (or tile's: grids per
+    tile) maximum, so that near ties pick either candidate. 1-D rows take 200 rows (a last stripe of 8)."""
     x, _ = _layout_input(in_dtype, seed=16, magnitude=3, specials=(special, -1e4))
     if along == 1 and not tile:
         x = x[:200].contiguous()
     r, c = x.shape
     xf = x.float().abs()
-    if tile:
-        m = xf.reshape(r // 16, 16, c // 16, 16).amax((1, 3)).repeat_interleave(16, dim=0 if along == 1 else 1)
+    if tile:  # grids per tile
+        m = xf.reshape(r // 16, 16, c // 16, 16).amax((1, 3))
     else:
         m = xf.reshape(r, c // 16, 16).amax(2) if along == 1 else xf.reshape(r // 16, 16, c).amax(1)
     e4m3 = lambda t: t.clamp(max=448).to(torch.float8_e4m3fn).float()  # noqa: E731

@@ -36,6 +36,9 @@ import te_serial as ts  # noqa: E402
 from te_serial import formats as tsf  # noqa: E402
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import ab  # noqa: E402
+
 
 def _median_seconds(fn, repeat: int) -> float:
     fn()  # warm-up
@@ -62,25 +65,19 @@ _ISSUE_BASELINE = "412bdf3^"
 # times the baseline commit's quantize of each recipe it has against the bare cast, interleaved, in a
 # process of its own (argv: size, repeat); prints {recipe: quantize seconds / cast seconds} as JSON
 _BASELINE_CHILD = r"""
-import json, statistics, sys, time
+import json, sys
 import torch
 from te_serial.recipes import RECIPES, recipe_quantizer
 size, repeat = int(sys.argv[1]), int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+from timing import ab
 torch.manual_seed(0)
 x = torch.randn(size, size).to(torch.bfloat16)
 out = {}
 for name in RECIPES:
     q = recipe_quantizer(name)
-    fns = {"cast": lambda: x.to(torch.float8_e4m3fn), "q": lambda: q.quantize(x)}
-    times = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    out[name] = statistics.median(times["q"]) / statistics.median(times["cast"])
+    times = ab({"cast": lambda: x.to(torch.float8_e4m3fn), "q": lambda: q.quantize(x)}, repeat)
+    out[name] = times["q"] / times["cast"]
 print(json.dumps(out))
 """
 
@@ -96,7 +93,8 @@ def _baseline_ratios(rev: str, size: int, repeat: int) -> dict[str, float]:
             tar = subprocess.run(["git", "-C", str(repo), "archive", rev, "te_serial"], capture_output=True,
                                  check=True).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
-            out = subprocess.run([sys.executable, "-c", _BASELINE_CHILD, str(size), str(repeat)], cwd=tmp,
+            out = subprocess.run([sys.executable, "-c", _BASELINE_CHILD, str(size), str(repeat),
+                                  str(Path(__file__).resolve().parent)], cwd=tmp,
                                  env={**os.environ, "PYTHONPATH": tmp, "TE_SERIAL_EAGER": "1"},
                                  capture_output=True, text=True, check=True)
         except (OSError, subprocess.CalledProcessError) as e:
@@ -137,9 +135,9 @@ def bench_quantize(args) -> None:
             # each path interleaved with its own baseline, not with the others: an eager run frees
             # hundreds of MB of temporaries, and the allocator's state it leaves (pages handed back
             # to the OS, faulted in again by the next run) would be charged to whatever runs next
-            times = _ab({"cast": lambda: x.to(torch.float8_e4m3fn), "fused": fused_q}, args.repeat)
-            times.update(_ab({"eager": lambda: q.quantize(x, eager=True)}, max(3, args.repeat // 3)))
-            times.update(_ab({"fused_dq": fused_dq, "eager_dq": lambda: t.dequantize(eager=True)}, args.repeat))
+            times = ab({"cast": lambda: x.to(torch.float8_e4m3fn), "fused": fused_q}, args.repeat)
+            times.update(ab({"eager": lambda: q.quantize(x, eager=True)}, max(3, args.repeat // 3)))
+            times.update(ab({"fused_dq": fused_dq, "eager_dq": lambda: t.dequantize(eager=True)}, args.repeat))
         secs[name] = times["fused"]
         casts.append(gb / times["cast"])
         vs_cast = times["cast"] / times["fused"]
@@ -215,19 +213,6 @@ def _fsync(path: Path) -> None:
     os.close(fd)
 
 
-def _ab(fns: dict, repeat: int) -> dict[str, float]:
-    """Median seconds of each function, runs interleaved A/B/C/A/B/C…"""
-    times = {k: [] for k in fns}
-    for k, fn in fns.items():  # warm-up
-        fn()
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def bench_ckpt(args) -> None:
     from safetensors.torch import load_file, save_file
     work = Path(tempfile.mkdtemp(prefix="te-serial-bench-", dir=args.dir))
@@ -244,7 +229,7 @@ def bench_ckpt(args) -> None:
         torch.save(flat, pt_file)
 
         shards = sorted(str(p) for p in ours.glob("*.safetensors"))
-        load = _ab({
+        load = ab({
             "te_serial.load_quantized": lambda: _read_all(ts.load_quantized(ours).values()),
             # the very same buffers: safetensors reading te-serial's own shard files
             "safetensors.load_file": lambda: _read_all(v for f in shards for v in load_file(f).values()),
@@ -271,7 +256,7 @@ def bench_ckpt(args) -> None:
             _fsync(p)  # te-serial fsyncs for atomicity; compare like with like
             p.unlink()
 
-        save = _ab({"te_serial.save_quantized": save_ours, "safetensors.save_file+fsync": save_st},
+        save = ab({"te_serial.save_quantized": save_ours, "safetensors.save_file+fsync": save_st},
                    args.repeat)
         print("\nsave (fsync'd)                        GB/s")
         for k, sec in save.items():
@@ -284,7 +269,7 @@ def bench_ckpt(args) -> None:
         small = [recipe_quantizer(r)(x) for r in ("mxfp8", "nvfp4", "fp8_block", "fp8_current")]
         ts.save_quantized({f"layers.{i // 10}.t{i % 10}": (small[i % 4] if i % 5 else torch.randn(8))
                            for i in range(10_000)}, many)
-        opened = _ab({"open+protos": lambda: len(ts.open(many).protos)}, args.repeat)
+        opened = ab({"open+protos": lambda: len(ts.open(many).protos)}, args.repeat)
         print(f"\nopen + read all prototypes of a 10,000-tensor checkpoint: "
               f"{opened['open+protos'] * 1e3:.1f} ms (target <= 25 ms); manifest "
               f"{(many / 'te_serial.msgpack').stat().st_size / 1e3:.0f} kB")

@@ -268,7 +268,7 @@ class NVFP4Quantizer(Quantizer):
         graph then loads contiguously; a transposed read of the input ran scalar). ``args``:
         ``_kernel_args``; ``given``: x2's block maxima, taken ahead of a compiled graph."""
         if self.nvfp4_use_4over6:  # codes chosen block by block between two candidates
-            _, _, block_amax, amax, s_enc = self._blocks(x2, amax, along, given)
+            _, _, block_amax, amax, s_enc = self._blocks(x2, amax, along, given, spread=False)
             data, s_b = self._select_4over6(x2, block_amax, amax, s_enc, args or self._kernel_args(x2.device), along)
         else:
             blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
@@ -289,15 +289,18 @@ class NVFP4Quantizer(Quantizer):
         enc = torch.clamp(torch.ones_like(s_b_f) / (s_b_f * s_dec), max=nx.FP32_MAX)
         return blocks, nx.per_block(enc).unsqueeze(bd), s_b
 
-    def _blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None
-                ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None,
+                spread: bool = True) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x2 as blocks, the dim of a block's 16 elements in them, the block maxima, the amax as
-        [1, 1] or [R, 1], S_enc) for blocks along dim ``along``."""
+        [1, 1] or [R, 1], S_enc) for blocks along dim ``along``; 2-D, the 16×16 tiles' maxima spread to
+        their blocks, or per tile ([R/16, C/16]) without ``spread``."""
         r, c = x2.shape
         bd = 2 if along == 1 else 1
         blocks = x2.reshape(r, c // BLOCK, BLOCK) if along == 1 else x2.reshape(r // BLOCK, BLOCK, c)
         if self.with_2d_quantization:
-            block_amax = blocks_amax(x2, BLOCK, BLOCK, given).repeat_interleave(BLOCK, dim=1 - along)
+            block_amax = blocks_amax(x2, BLOCK, BLOCK, given)
+            if spread:
+                block_amax = block_amax.repeat_interleave(BLOCK, dim=1 - along)
         else:
             block_amax = blocks_amax(x2, 1, BLOCK, given) if along == 1 else blocks_amax(x2, BLOCK, 1, given)
         amax = amax.float().reshape(-1, 1)  # [1, 1], or [R, 1] per row (rowwise only)
@@ -323,9 +326,9 @@ class NVFP4Quantizer(Quantizer):
                        s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
                        along: int) -> tuple[torch.Tensor, torch.Tensor]:
         """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks,
-        scales shaped as ``block_amax``) of the better of map-to-4 and map-to-6 for each block of
-        x2 along dim ``along``: ``numerics.scale_and_cast_to_fp4_4over6`` with the candidates'
-        scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``, ``b = amax_b / 6 · S_enc``;
+        per-block scales) of the better of map-to-4 and map-to-6 for each block (2-D: each tile,
+        ``block_amax`` given per tile) of x2 along dim ``along``: ``numerics.scale_and_cast_to_fp4_4over6``
+        with the candidates' scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``, ``b = amax_b / 6 · S_enc``;
         codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over
         ``((q · s) · amax) / (6 · e4m3_max) − x``; 16×16 tiles in 2-D mode.
         """
@@ -342,10 +345,11 @@ class NVFP4Quantizer(Quantizer):
         (s4, enc4, sf4), (s6, enc6, sf6) = cands
         # row-major grids, as the C loop reads them (a graph would keep a transposed grid's strides)
         enc4, sf4, enc6, sf6 = nx.per_blocks(*(t.contiguous() for t in (enc4, sf4, enc6, sf6)))
+        tile = self.with_2d_quantization  # the grids are per tile: the choice is the tile's
         data, pick4 = nx.scale_and_cast_to_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, args["err_denom"],
-                                                      self.nvfp4_4over6_err_mode == "MSE", along,
-                                                      self.with_2d_quantization)
-        return data, torch.where(pick4, s4, s6)
+                                                      self.nvfp4_4over6_err_mode == "MSE", along, tile)
+        s_b = torch.where(pick4, s4, s6)
+        return data, (s_b.repeat_interleave(BLOCK, dim=1 - along) if tile else s_b)
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.

@@ -13,7 +13,10 @@
   use for both FP8 types: torch's fp32 → FP8 conversion is scalar, and inside inductor's loop ran at
   a half (E4M3) or a quarter (E5M2) of a plain cast's speed. The eager path keeps torch's own
   conversion, so the fused table (fused against eager, byte for byte) holds this kernel to torch's
-  roundings, and the oracle tests hold both to TE's.
+  roundings, and the oracle tests hold both to TE's. :func:`scale_cast_fp8_pair` makes MXFP8's two
+  usages (1×32 and 32×1 block scales) from one read of the input.
+* :func:`dequantize_fp8` is every FP8 format's dequantize step (codes widened 16 at a time, times
+  the block's scale), where inductor converted fp8 → fp32 lane by lane.
 * :func:`scale_cast_fp4` is NVFP4's data step by the same rule (E2M1 codes, packed two per byte as
   they are made), and :func:`scale_cast_fp4_4over6` is 4over6's choice in one pass: both candidates
   cast, their block errors summed in order, 2-D tiles' sums in the warp's tree order.
@@ -512,9 +515,10 @@ def scale_cast_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int = -1) -
     return _scale_cast_fp4(x, scale, dim)
 
 
-def _grid_shape(shape: tuple[int, ...], along: int) -> tuple[int, int]:
+def _grid_shape(shape: tuple[int, ...], along: int, tile: bool) -> tuple[int, int]:
+    """4over6's scale and choice grid: one per block of 16 along ``along``, or one per 16×16 tile."""
     r, c = shape
-    return (r, c // 16) if along == 1 else (r // 16, c)
+    return (r // 16, c // 16) if tile else (r, c // 16) if along == 1 else (r // 16, c)
 
 
 def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
@@ -523,7 +527,7 @@ def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf
     """The one-pass C loop of 4over6, or None where it does not take the operands."""
     kind = _IN_KINDS.get(x.dtype)
     r, c = x.shape
-    grid = _grid_shape((r, c), along)
+    grid = _grid_shape((r, c), along, tile)
     scales = [t.expand(grid).contiguous() for t in (enc4, sf4, enc6, sf6)]
     if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
@@ -555,7 +559,7 @@ def _(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor
       amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = x.shape
     packed = x.new_empty((r, c // 16, 8) if along == 1 else (r // 16, 8, c), dtype=torch.uint8)
-    return packed, x.new_empty(_grid_shape((r, c), along), dtype=torch.bool)
+    return packed, x.new_empty(_grid_shape((r, c), along, tile), dtype=torch.bool)
 
 
 def scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,

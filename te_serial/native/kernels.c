@@ -268,6 +268,31 @@ static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : 
 #define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
 #define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
 
+/* Each FP8 loop is made for every (input kind, FP8 type): FP8_KINDS(M, P) expands
+ * M(P_<input>_<type>, element type, load, codes) for each, and FP8_KIND_OF(NAME, P, FN_T) defines
+ * NAME(in_kind, e5m2), the one for an input kind (0 bf16, 1 fp16, 2 fp32), or 0 where not built. */
+#if defined(__FLT16_MAX__)
+#define F16_KINDS(M, P) M(P##_f16_e4m3, _Float16, load_f16, TO_E4M3) M(P##_f16_e5m2, _Float16, load_f16, TO_E5M2)
+#define F16_CASES(P, FN_T) case 2: return (FN_T)P##_f16_e4m3; case 3: return (FN_T)P##_f16_e5m2;
+#else
+#define F16_KINDS(M, P)
+#define F16_CASES(P, FN_T)
+#endif
+#define FP8_KINDS(M, P)                                                                           \
+    M(P##_bf16_e4m3, uint16_t, load_bf16, TO_E4M3) M(P##_bf16_e5m2, uint16_t, load_bf16, TO_E5M2) \
+    M(P##_f32_e4m3, float, load_f32, TO_E4M3) M(P##_f32_e5m2, float, load_f32, TO_E5M2) F16_KINDS(M, P)
+#define FP8_KIND_OF(NAME, P, FN_T)                                                                \
+    static FN_T NAME(int in_kind, int e5m2) {                                                     \
+        switch (in_kind * 2 + e5m2) {                                                             \
+        case 0: return (FN_T)P##_bf16_e4m3;                                                       \
+        case 1: return (FN_T)P##_bf16_e5m2;                                                       \
+        F16_CASES(P, FN_T)                                                                        \
+        case 4: return (FN_T)P##_f32_e4m3;                                                        \
+        case 5: return (FN_T)P##_f32_e5m2;                                                        \
+        default: return 0;                                                                        \
+        }                                                                                         \
+    }
+
 /* The outer rows' scale offsets i0 * s0 + i1 * s1 + i2 * s2, (i0, i1, i2) the row's index in the
  * outer sizes (d0, d1, d2), walked one row after another from row o */
 typedef struct { int64_t i0, i1, i2, d1, d2, s0, s1, s2; } row_walk;
@@ -323,14 +348,7 @@ static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
         }                                                                                         \
     }
 
-CAST_ROW(cast_bf16_e4m3, uint16_t, load_bf16, TO_E4M3)
-CAST_ROW(cast_bf16_e5m2, uint16_t, load_bf16, TO_E5M2)
-CAST_ROW(cast_f32_e4m3, float, load_f32, TO_E4M3)
-CAST_ROW(cast_f32_e5m2, float, load_f32, TO_E5M2)
-#if defined(__FLT16_MAX__)
-CAST_ROW(cast_f16_e4m3, _Float16, load_f16, TO_E4M3)
-CAST_ROW(cast_f16_e5m2, _Float16, load_f16, TO_E5M2)
-#endif
+FP8_KINDS(CAST_ROW, cast)
 
 /* E2M1 codes of fp32(x) * scale, two per byte (element 2i in the low nibble), rounded to nearest
  * even and saturated at ±6: NVFP4's data, numerics.scale_and_cast_to_fp4 by the same rule as the FP8
@@ -410,20 +428,7 @@ int te_serial_scale_cast_fp4(const void *x, const float *scale, uint8_t *y, int 
 typedef void (*fp8_cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int, int64_t, int64_t);
 
-/* in_kind: 0 bf16, 1 fp16, 2 fp32; e5m2: 0 E4M3, 1 E5M2. NULL for a kind not built. */
-static fp8_cast_fn fp8_cast_of(int in_kind, int e5m2) {
-    switch (in_kind * 2 + e5m2) {
-    case 0: return cast_bf16_e4m3;
-    case 1: return cast_bf16_e5m2;
-#if defined(__FLT16_MAX__)
-    case 2: return cast_f16_e4m3;
-    case 3: return cast_f16_e5m2;
-#endif
-    case 4: return cast_f32_e4m3;
-    case 5: return cast_f32_e5m2;
-    default: return 0;
-    }
-}
+FP8_KIND_OF(fp8_cast_of, cast, fp8_cast_fn)
 
 /* fp32 values of FP8 codes (16 per lane group): torch's conversion bit for bit where the value is a
  * number (exact: normals rebiased, subnormals m * 2^-9 or m * 2^-16, signed zeros), and a NaN where
@@ -510,8 +515,9 @@ int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int 
  * (cs [rows / b, cols]); each the cast's rule. One loop over each row serves both, so the row scale
  * changes every b elements without a row loop per block (MXFP8's 1 x 32 rows ran 40% slower so). */
 #define CAST_PAIR(NAME, T, LOAD, TO)                                                              \
-    static void NAME(const T *x, const float *rs, const float *cs, uint8_t *yr, uint8_t *yc, int64_t cols, \
+    static void NAME(const void *xv, const float *rs, const float *cs, uint8_t *yr, uint8_t *yc, int64_t cols, \
                      int64_t b, int64_t r0, int64_t r1) {                                         \
+        const T *x = xv;                                                                          \
         const int64_t nb = cols / b;                                                              \
         int shift = 0;                                                                            \
         while ((1 << shift) < b) shift++;  /* b a power of two: j / b as a shift */               \
@@ -520,41 +526,24 @@ int te_serial_scale_cast_fp8(const void *x, const float *scale, uint8_t *y, int 
             const float *rsr = rs + r * nb, *csr = cs + r / b * cols;                             \
             for (int64_t j = 0; j < cols; j += LANES) {                                           \
                 f32v v = LOAD(xr + j);                                                            \
-                u8v a = TO(v * rsr[j >> shift]), c = TO(v * load_f32(csr + j));                        \
+                u8v a = TO(v * rsr[j >> shift]), c = TO(v * load_f32(csr + j));                  \
                 memcpy(yr + r * cols + j, &a, LANES);                                             \
                 memcpy(yc + r * cols + j, &c, LANES);                                             \
             }                                                                                     \
         }                                                                                         \
     }
 
-CAST_PAIR(pair_bf16_e4m3, uint16_t, load_bf16, TO_E4M3)
-CAST_PAIR(pair_bf16_e5m2, uint16_t, load_bf16, TO_E5M2)
-CAST_PAIR(pair_f32_e4m3, float, load_f32, TO_E4M3)
-CAST_PAIR(pair_f32_e5m2, float, load_f32, TO_E5M2)
-#if defined(__FLT16_MAX__)
-CAST_PAIR(pair_f16_e4m3, _Float16, load_f16, TO_E4M3)
-CAST_PAIR(pair_f16_e5m2, _Float16, load_f16, TO_E5M2)
-#endif
+FP8_KINDS(CAST_PAIR, pair)
+typedef void (*fp8_pair_fn)(const void *, const float *, const float *, uint8_t *, uint8_t *, int64_t, int64_t,
+                            int64_t, int64_t);
+FP8_KIND_OF(fp8_pair_of, pair, fp8_pair_fn)
 
 /* in_kind and e5m2 as for te_serial_scale_cast_fp8; b a power of two, at least LANES, dividing rows and cols.
  * Returns 0, or -1 where it does not apply. */
 int te_serial_scale_cast_fp8_pair(const void *x, const float *rs, const float *cs, uint8_t *yr, uint8_t *yc,
                                   int in_kind, int e5m2, int64_t rows, int64_t cols, int64_t b, int threads) {
-    typedef void (*fn_t)(const void *, const float *, const float *, uint8_t *, uint8_t *, int64_t, int64_t,
-                         int64_t, int64_t);
-    fn_t fn;
-    switch (in_kind * 2 + e5m2) {
-    case 0: fn = (fn_t)pair_bf16_e4m3; break;
-    case 1: fn = (fn_t)pair_bf16_e5m2; break;
-#if defined(__FLT16_MAX__)
-    case 2: fn = (fn_t)pair_f16_e4m3; break;
-    case 3: fn = (fn_t)pair_f16_e5m2; break;
-#endif
-    case 4: fn = (fn_t)pair_f32_e4m3; break;
-    case 5: fn = (fn_t)pair_f32_e5m2; break;
-    default: return -1;
-    }
-    if (b < LANES || (b & (b - 1)) || rows % b || cols % b) return -1;
+    fp8_pair_fn fn = fp8_pair_of(in_kind, e5m2);
+    if (!fn || b < LANES || (b & (b - 1)) || rows % b || cols % b) return -1;
     int64_t step = rows_per_thread(rows, 1, threads);
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t r0 = 0; r0 < rows; r0 += step)
@@ -593,11 +582,11 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
 /* NVFP4 4over6 in one pass (quantize_4over6_nvfp4.cuh): each block of 16 along `cols` == 0 (rows:
  * blocks [R, C / 16], codes [R, C / 2]) or `cols` == 1 (columns: blocks [R / 16, C], codes packed as
  * pairs of rows [R / 2, C]) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
- * map-to-6; per-block fp32 grids), each candidate's error summed in order over the block as
- * (fp32, the 16 terms in order), and with `tile` the 16 blocks of a 16 x 16 tile (16 rows of
- * one block column, or 16 columns of one block row) add their sums in the warp's tree order (i and
- * i + 8, then i + 4, 2, 1). The block keeps map-to-4's codes where that sum is strictly lower
- * (a NaN sum keeps map-to-6); pick[block] says which.
+ * map-to-6; fp32 grids of one per block, or with `tile` one per 16 x 16 tile, [R / 16, C / 16]),
+ * each candidate's error summed over the block in order (fp32). With `tile` the 16 blocks of a tile
+ * (16 rows of one block column, or 16 columns of one block row) add their sums in the warp's tree
+ * order (i and i + 8, then i + 4, 2, 1). A block (tile) keeps map-to-4's codes where that sum is
+ * strictly lower (a NaN sum keeps map-to-6); pick, per block (tile), says which.
  *
  * A candidate's decoded values ((q * sf) * amax) / denom take 16 values per scale: they are made
  * once per scale value as a table and looked up by code, the same IEEE operations as per element. */
@@ -661,7 +650,7 @@ static inline float tile_sum(const float *e) {
                     float terms4[LANES][16], terms6[LANES][16], e4[16], e6[16];                   \
                     uint8_t c4[16][LANES / 2], c6[16][LANES / 2];                                 \
                     for (int r = 0; r < h; r++) {                                                 \
-                        const int64_t b = (s + r) * nb + kb;                                      \
+                        const int64_t b = tile ? s / 16 * nb + kb : (s + r) * nb + kb;            \
                         f32v v = LOAD(x + (s + r) * C + kb * LANES);                              \
                         u32v q4 = TO_E2M1(v * enc4[b]), q6 = TO_E2M1(v * enc6[b]);                \
                         f32v a4 = table_error(v, q4, table_for(&t4, sf4[b], amax, denom), mse);   \
@@ -679,7 +668,7 @@ static inline float tile_sum(const float *e) {
                     for (int r = 0; r < h; r++) {                                                 \
                         int p = e4[r] < e6[r];                                                    \
                         memcpy(y + (s + r) * (C / 2) + kb * (LANES / 2), p ? c4[r] : c6[r], LANES / 2); \
-                        pick[(s + r) * nb + kb] = (uint8_t)p;                                     \
+                        pick[tile ? s / 16 * nb + kb : (s + r) * nb + kb] = (uint8_t)p;           \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
@@ -689,9 +678,12 @@ static inline float tile_sum(const float *e) {
             const float *e4s = enc4 + s / 16 * C, *f4s = sf4 + s / 16 * C;                       \
             const float *e6s = enc6 + s / 16 * C, *f6s = sf6 + s / 16 * C;                       \
             for (int64_t j = 0; j < C; j += LANES) {                                              \
-                f32v n4 = load_f32(e4s + j), n6 = load_f32(e6s + j);                              \
-                f32v d4 = load_f32(f4s + j), d6 = load_f32(f6s + j);                              \
-                /* one scale for all 16 lanes (a 2-D tile): the table; else each lane's values */ \
+                const int64_t g = s / 16 * nb + j / LANES;  /* the tile, with `tile` */          \
+                f32v n4 = tile ? (f32v){} + enc4[g] : load_f32(e4s + j);                          \
+                f32v n6 = tile ? (f32v){} + enc6[g] : load_f32(e6s + j);                          \
+                f32v d4 = tile ? (f32v){} + sf4[g] : load_f32(f4s + j);                           \
+                f32v d6 = tile ? (f32v){} + sf6[g] : load_f32(f6s + j);                           \
+                /* one scale for all 16 lanes (a tile's): the table; else each lane's values */   \
                 int one = 1;                                                                      \
                 for (int i = 1; i < LANES; i++)                                                   \
                     one &= f2u(d4[i]) == f2u(d4[0]) && f2u(d6[i]) == f2u(d6[0]);                  \
@@ -725,7 +717,8 @@ static inline float tile_sum(const float *e) {
                     u8v o = (b4[k] & m) | (b6[k] & ~m);                                           \
                     memcpy(y + (s / 2 + k) * C + j, &o, LANES);                                   \
                 }                                                                                 \
-                memcpy(pick + s / 16 * C + j, &p, LANES);                                         \
+                if (tile) pick[g] = p[0];                                                         \
+                else memcpy(pick + s / 16 * C + j, &p, LANES);                                    \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
