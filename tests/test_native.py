@@ -338,6 +338,21 @@ def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
     for dim in (-1, -2):
         xs, s = x.reshape(128, 16, 32), torch.rand(128, 16, 1) * 4
         assert torch.equal(native.scale_cast_fp4(xs, s, dim), nx.scale_and_cast_to_fp4(xs, s, dim)), dim
+    # the other loops' generic forms: both usages in one read, the dequantize, 4over6 (table lookups,
+    # row sums without AVX2's transposes)
+    xs, rs, cs = x.reshape(256, 256), torch.rand(256, 8) + 0.5, torch.rand(8, 256) + 0.5
+    got, want = fresh_native.scale_cast_fp8_pair(xs, rs, cs, torch.float8_e4m3fn, 32), \
+        nx.scale_and_cast_to_fp8_pair(xs, rs, cs, torch.float8_e4m3fn, 32)
+    assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64, 1)
+    for fp8_dtype in FP8_TYPES:
+        assert same_values(fresh_native.dequantize_fp8(codes, rs[:64, :1], fp8_dtype),
+                           codes.view(fp8_dtype).float() * rs[:64, :1])
+    for along, tile in [(1, True), (1, False), (0, True), (0, False)]:
+        xq, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, along, tile, 40.0)
+        args = (xq, enc4, sf4, enc6, sf6, amax, torch.tensor(6.0 * 256), False, along, tile)
+        got, want = fresh_native.scale_cast_fp4_4over6(*args), nx.scale_and_cast_to_fp4_4over6(*args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (along, tile)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")

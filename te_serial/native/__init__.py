@@ -528,7 +528,10 @@ def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf
     kind = _IN_KINDS.get(x.dtype)
     r, c = x.shape
     grid = _grid_shape((r, c), along, tile)
-    scales = [t.expand(grid).contiguous() for t in (enc4, sf4, enc6, sf6)]
+    try:
+        scales = [t.expand(grid).contiguous() for t in (enc4, sf4, enc6, sf6)]
+    except RuntimeError:  # grids of another shape: the eager rule says what is wrong
+        return None
     if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
         return None  # one amax (a per-row one runs torch's rule)

@@ -636,6 +636,46 @@ static inline float tile_sum(const float *e) {
     return t[0];
 }
 
+/* sums[r] = m[r][0] + m[r][1] + ... + m[r][15], added in that order (fp32), for the 16 rows of m:
+ * each block's error sum, 16 blocks at a time. With AVX2, four 8 x 8 transposes put a row's terms in
+ * one lane, so the adds run 8 rows at a time; elsewhere row by row. */
+#if defined(__AVX2__)
+static inline void transpose8(__m256 *r) {  /* r[i][j] -> r[j][i] */
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20); r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20); r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31); r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+static inline void row_sums16(float m[16][16], float *sums) {
+#if defined(__AVX2__)
+    for (int h = 0; h < 16; h += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int q = 0; q < 16; q += 8) {
+            __m256 t[8];
+            for (int k = 0; k < 8; k++) t[k] = _mm256_loadu_ps(&m[h + k][q]);
+            transpose8(t);  /* t[i]: term q + i of rows h .. h + 7 */
+            for (int i = 0; i < 8; i++) acc = q + i == 0 ? t[0] : _mm256_add_ps(acc, t[i]);
+        }
+        _mm256_storeu_ps(sums + h, acc);
+    }
+#else
+    for (int r = 0; r < 16; r++) {
+        float a = m[r][0];
+        for (int i = 1; i < 16; i++) a += m[r][i];
+        sums[r] = a;
+    }
+#endif
+}
+
 #define FP4_4OVER6(NAME, T, LOAD)                                                                 \
     static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t R, int64_t C, \
             const float *enc4, const float *sf4, const float *enc6, const float *sf6, uint8_t *y, \
@@ -647,7 +687,7 @@ static inline float tile_sum(const float *e) {
             for (int64_t s = r0; s < r1; s += 16) {                                               \
                 int h = r1 - s < 16 ? (int)(r1 - s) : 16;                                         \
                 for (int64_t kb = 0; kb < nb; kb++) {                                             \
-                    float terms4[LANES][16], terms6[LANES][16], e4[16], e6[16];                   \
+                    float m4[16][LANES], m6[16][LANES], e4[16], e6[16];  /* each row's terms */   \
                     uint8_t c4[16][LANES / 2], c6[16][LANES / 2];                                 \
                     for (int r = 0; r < h; r++) {                                                 \
                         const int64_t b = tile ? s / 16 * nb + kb : (s + r) * nb + kb;            \
@@ -655,14 +695,14 @@ static inline float tile_sum(const float *e) {
                         u32v q4 = TO_E2M1(v * enc4[b]), q6 = TO_E2M1(v * enc6[b]);                \
                         f32v a4 = table_error(v, q4, table_for(&t4, sf4[b], amax, denom), mse);   \
                         f32v a6 = table_error(v, q6, table_for(&t6, sf6[b], amax, denom), mse);   \
-                        for (int i = 0; i < LANES; i++) { terms4[i][r] = a4[i]; terms6[i][r] = a6[i]; } \
+                        memcpy(m4[r], &a4, sizeof a4);                                            \
+                        memcpy(m6[r], &a6, sizeof a6);                                            \
                         pack_lanes(q4, c4[r]);                                                    \
                         pack_lanes(q6, c6[r]);                                                    \
                     }                                                                             \
-                    for (int r = 0; r < h; r++) {                                                 \
-                        e4[r] = terms4[0][r]; e6[r] = terms6[0][r];                               \
-                        for (int i = 1; i < LANES; i++) { e4[r] += terms4[i][r]; e6[r] += terms6[i][r]; } \
-                    }                                                                             \
+                    if (h < 16) { memset(m4[h], 0, sizeof m4[0] * (16 - h)); memset(m6[h], 0, sizeof m6[0] * (16 - h)); } \
+                    row_sums16(m4, e4);                                                           \
+                    row_sums16(m6, e6);                                                           \
                     if (tile) { float a = tile_sum(e4), b = tile_sum(e6);                         \
                         for (int r = 0; r < 16; r++) { e4[r] = a; e6[r] = b; } }                  \
                     for (int r = 0; r < h; r++) {                                                 \
