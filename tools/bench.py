@@ -117,7 +117,7 @@ def bench_quantize(args) -> None:
           f"{torch.get_num_threads()} threads, median of {args.repeat}, fused runs interleaved with the cast, "
           f"eager runs apart")
     print(f"{'recipe':<18}{'fused GB/s':>11}{'vs cast':>9}{'target':>8}{'eager GB/s':>11}{'fused/eager':>12}"
-          f"{'fused/baseline':>15}{'compile s':>10}{'dequant fused/eager':>21}")
+          f"{'fused/baseline':>15}{'compile s':>10}{'dequant fused/eager':>21}{'faults cast/fused':>19}")
     secs, casts = {}, []
     for name in RECIPES:
         q = recipe_quantizer(name)
@@ -135,7 +135,8 @@ def bench_quantize(args) -> None:
             # each path interleaved with its own baseline, not with the others: an eager run frees
             # hundreds of MB of temporaries, and the allocator's state it leaves (pages handed back
             # to the OS, faulted in again by the next run) would be charged to whatever runs next
-            times = ab({"cast": lambda: x.to(torch.float8_e4m3fn), "fused": fused_q}, args.repeat)
+            faults: dict = {}
+            times = ab({"cast": lambda: x.to(torch.float8_e4m3fn), "fused": fused_q}, args.repeat, faults)
             times.update(ab({"eager": lambda: q.quantize(x, eager=True)}, max(3, args.repeat // 3)))
             times.update(ab({"fused_dq": fused_dq, "eager_dq": lambda: t.dequantize(eager=True)}, args.repeat))
         secs[name] = times["fused"]
@@ -149,10 +150,11 @@ def bench_quantize(args) -> None:
         print(f"{name:<18}{gb / times['fused']:>11.2f}{vs_cast:>9.3f}{target:>8.2f}{gb / times['eager']:>11.2f}"
               f"{times['eager'] / times['fused']:>11.1f}x"
               f"{(f'{speedup:.1f}x' if name in baseline else '-'):>15}{compile_s:>10.1f}"
-              f"{times['eager_dq'] / times['fused_dq']:>20.1f}x{flag}")
+              f"{times['eager_dq'] / times['fused_dq']:>20.1f}x{faults['cast']:>9.0f}/{faults['fused']:<9.0f}{flag}")
     print(f"bare x.to(float8_e4m3fn) cast: {statistics.median(casts):.2f} GB/s (median over the recipes' runs; "
           f"targets: fused >= target x the cast, and >= 5x the baseline {_ISSUE_BASELINE}'s eager quantize, "
-          f"measured against the cast in a child process of this run; recipes it lacked: >= 5x today's eager)")
+          f"measured against the cast in a child process of this run; recipes it lacked: >= 5x today's eager; "
+          f"faults: median page faults per call, fresh 4 KiB pages the allocator handed out, ~1 us each here)")
     # the NVFP4 variants against plain NVFP4 in this run (nvfp4_row_scaled is rowwise only)
     print("NVFP4 variants, speed vs nvfp4: " + ", ".join(
         f"{n} {secs['nvfp4'] / secs[n]:.2f}x" for n in ("nvfp4_2d", "nvfp4_4over6", "nvfp4_row_scaled")))
