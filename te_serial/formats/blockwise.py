@@ -40,7 +40,8 @@ def _scaled(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dty
     return nx.scale_and_cast_to_fp8(blocks, s, fp8_dtype).reshape(mb * rows, kb * cols)[:m, :k]
 
 
-def _dequantized(codes: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+                 fp8_dtype: torch.dtype) -> torch.Tensor:
     """fp32 values of FP8 codes [M, K] (uint8) times the scale of their block (per-block scales
     [ceil(M/rows), ceil(K/cols)])."""
     m, k = codes.shape

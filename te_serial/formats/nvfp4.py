@@ -326,11 +326,11 @@ class NVFP4Quantizer(Quantizer):
                        s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
                        along: int) -> tuple[torch.Tensor, torch.Tensor]:
         """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks,
-        per-block scales) of the better of map-to-4 and map-to-6 for each block (2-D: each tile,
-        ``block_amax`` given per tile) of x2 along dim ``along``: ``numerics.scale_and_cast_to_fp4_4over6``
-        with the candidates' scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``, ``b = amax_b / 6 · S_enc``;
-        codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over
-        ``((q · s) · amax) / (6 · e4m3_max) − x``; 16×16 tiles in 2-D mode.
+        per-block scales) of the better of map-to-4 and map-to-6 for each block of x2 along dim
+        ``along`` (2-D: each tile, ``block_amax`` given per tile): ``numerics.scale_and_cast_to_fp4_4over6``
+        with the candidates' scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``,
+        ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over
+        ``((q · s) · amax) / (6 · e4m3_max) − x``.
         """
         f32 = dict(dtype=torch.float32, device=x2.device)
         base = block_amax / args["fp4_max"] * s_enc

@@ -51,7 +51,8 @@ import torch
 from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp8_pair", "scale_cast_fp4", "scale_cast_fp4_4over6", "dequantize_fp8", "available", "cache_dir"]
+           "scale_cast_fp8_transposed", "scale_cast_fp8_pair", "scale_cast_fp4", "scale_cast_fp4_4over6",
+           "dequantize_fp8", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
@@ -540,7 +541,8 @@ def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf
     pick = torch.empty(grid, dtype=torch.uint8)
     if x.numel() and lib.te_serial_fp4_4over6(
             x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales), y.data_ptr(), pick.data_ptr(), int(along == 0),
-            int(tile), float(amax.item()), float(denom.item()), int(mse), _threads(r // 16, x.numel() * x.element_size(), 1)):
+            int(tile), float(amax.item()), float(denom.item()), int(mse),
+            _threads(r // 16, x.numel() * x.element_size(), 1)):
         return None
     packed = y.view(r, c // 16, 8) if along == 1 else y.view(r // 16, 8, c)
     return packed, pick.view(torch.bool)
