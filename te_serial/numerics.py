@@ -328,8 +328,9 @@ def scale_and_cast_to_fp4_4over6(x2: torch.Tensor, enc4: torch.Tensor, sf4: torc
                                  along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 4over6's choice (quantize_4over6_nvfp4.cuh) for x2 [R, C] in blocks of 16 along dim
     ``along`` (1: per-block grids [R, C/16]; 0: [R/16, C]; with ``tile``, grids per 16×16 tile
-    [R/16, C/16]): (codes packed along the blocks, [R, C/16, 8] or [R/16, 8, C], of the candidate
-    chosen per block or tile; whether it is map-to-4, shaped as the grids).
+    [R/16, C/16]): (codes packed along the blocks, of the candidate chosen per block or tile, as
+    the usage keeps them: [R, C/16, 8], or transposed [C, R/2]; whether it is map-to-4, shaped as
+    the grids).
 
     Each candidate (``enc4``/``sf4`` map-to-4, ``enc6``/``sf6`` map-to-6) is cast and its block
     errors summed as :func:`scale_and_cast_to_fp4_with_error`; with ``tile`` the 16 blocks of a 16×16
@@ -362,7 +363,7 @@ def scale_and_cast_to_fp4_4over6(x2: torch.Tensor, enc4: torch.Tensor, sf4: torc
     if bd == 2:  # a block's 8 packed bytes as one int64: one select per block, not a loop of 8 bytes (scalar)
         data = torch.where(each.unsqueeze(2), d4.view(torch.int64), d6.view(torch.int64)).view(torch.uint8)
     else:
-        data = torch.where(each.unsqueeze(1), d4, d6)
+        data = native.transpose_bytes(torch.where(each.unsqueeze(1), d4, d6).reshape(r // 2, c))
     return data, pick4
 
 

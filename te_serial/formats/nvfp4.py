@@ -75,13 +75,15 @@ def _e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     return nx.scale_and_cast_to_fp8(v, None, torch.float8_e4m3fn).view(torch.uint8)
 
 
-def _laid_out(packed: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _laid_out(packed: torch.Tensor, scales: torch.Tensor, along: int, r: int,
+              transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Data packed two per byte along the blocks of x2 [R, C] in x2's order ([R, C/2] bytes, or
-    [R/2, C] for blocks along ``along`` = 0) and its scales as the usage keeps them: rowwise as
-    they are, columnwise transposed ([C, R/2] bytes, scales transposed)."""
+    [R/2, C] for blocks along ``along`` = 0; already [C, R/2] with ``transposed``) and its scales as
+    the usage keeps them: rowwise as they are, columnwise transposed ([C, R/2] bytes, scales
+    transposed)."""
     if along == 1:
         return packed.reshape(r, -1), scales
-    return transpose_bytes(packed.reshape(r // 2, -1)), scales.t()
+    return (packed if transposed else transpose_bytes(packed.reshape(r // 2, -1))), scales.t()
 
 
 def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,9 +272,9 @@ class NVFP4Quantizer(Quantizer):
         if self.nvfp4_use_4over6:  # codes chosen block by block between two candidates
             _, _, block_amax, amax, s_enc = self._blocks(x2, amax, along, given, spread=False)
             data, s_b = self._select_4over6(x2, block_amax, amax, s_enc, args or self._kernel_args(x2.device), along)
-        else:
-            blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
-            data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
+            return _laid_out(data, s_b, along, x2.shape[0], transposed=True)
+        blocks, enc, s_b = self._scaled_blocks(x2, amax, along, given)
+        data = nx.scale_and_cast_to_fp4(blocks, enc, dim=-1 if along == 1 else -2)  # packed along the blocks
         return _laid_out(data, s_b, along, x2.shape[0])
 
     def _scaled_blocks(self, x2: torch.Tensor, amax: torch.Tensor, along: int, given: BlockAmax | None
@@ -325,8 +327,8 @@ class NVFP4Quantizer(Quantizer):
     def _select_4over6(self, x2: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
                        s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
                        along: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks,
-        per-block scales) of the better of map-to-4 and map-to-6 for each block of x2 along dim
+        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks as
+        the usage keeps it, columnwise transposed; per-block scales) of the better of map-to-4 and map-to-6 for each block of x2 along dim
         ``along`` (2-D: each tile, ``block_amax`` given per tile): ``numerics.scale_and_cast_to_fp4_4over6``
         with the candidates' scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``,
         ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over

@@ -537,15 +537,14 @@ def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
         return None  # one amax (a per-row one runs torch's rule)
     x = x.contiguous()
-    y = torch.empty((r, c // 2) if along == 1 else (r // 2, c), dtype=torch.uint8)
+    y = torch.empty((r, c // 2) if along == 1 else (c, r // 2), dtype=torch.uint8)
     pick = torch.empty(grid, dtype=torch.uint8)
     if x.numel() and lib.te_serial_fp4_4over6(
             x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales), y.data_ptr(), pick.data_ptr(), int(along == 0),
             int(tile), float(amax.item()), float(denom.item()), int(mse),
             _threads(r // 16, x.numel() * x.element_size(), 1)):
         return None
-    packed = y.view(r, c // 16, 8) if along == 1 else y.view(r // 16, 8, c)
-    return packed, pick.view(torch.bool)
+    return (y.view(r, c // 16, 8) if along == 1 else y), pick.view(torch.bool)
 
 
 @torch.library.custom_op("te_serial::scale_cast_fp4_4over6", mutates_args=())
@@ -563,7 +562,7 @@ def _scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tenso
 def _(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor, sf6: torch.Tensor,
       amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = x.shape
-    packed = x.new_empty((r, c // 16, 8) if along == 1 else (r // 16, 8, c), dtype=torch.uint8)
+    packed = x.new_empty((r, c // 16, 8) if along == 1 else (c, r // 2), dtype=torch.uint8)
     return packed, x.new_empty(_grid_shape((r, c), along, tile), dtype=torch.bool)
 
 

@@ -581,7 +581,7 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
 
 /* NVFP4 4over6 in one pass (quantize_4over6_nvfp4.cuh): each block of 16 along `cols` == 0 (rows:
  * blocks [R, C / 16], codes [R, C / 2]) or `cols` == 1 (columns: blocks [R / 16, C], codes packed as
- * pairs of rows [R / 2, C]) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
+ * pairs of rows, [R / 2, C] from `yoff`'s row on) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
  * map-to-6; fp32 grids of one per block, or with `tile` one per 16 x 16 tile, [R / 16, C / 16]),
  * each candidate's error summed over the block in order (fp32). With `tile` the 16 blocks of a tile
  * (16 rows of one block column, or 16 columns of one block row) add their sums in the warp's tree
@@ -680,7 +680,7 @@ static inline void row_sums16(float m[16][16], float *sums) {
     static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t R, int64_t C, \
             const float *enc4, const float *sf4, const float *enc6, const float *sf6, uint8_t *y, \
             uint8_t *pick, const int cols, int tile, float amax, float denom, const int mse,      \
-            int64_t r0, int64_t r1) {                                                             \
+            int64_t r0, int64_t r1, int64_t yoff) {                                               \
         const int64_t nb = C / LANES;                                                             \
         table_cache t4 = {0}, t6 = {0};                                                           \
         if (!cols) {  /* rows: stripes of up to 16 rows, one block column at a time */            \
@@ -755,7 +755,7 @@ static inline void row_sums16(float m[16][16], float *sums) {
                 u8v p = low_bytes((u32v)(acc4 < acc6) & 1u), m = (u8v)(p != 0);  /* NaN: false */ \
                 for (int k = 0; k < 8; k++) {                                                     \
                     u8v o = (b4[k] & m) | (b6[k] & ~m);                                           \
-                    memcpy(y + (s / 2 + k) * C + j, &o, LANES);                                   \
+                    memcpy(y + ((s - yoff) / 2 + k) * C + j, &o, LANES);                          \
                 }                                                                                 \
                 if (tile) pick[g] = p[0];                                                         \
                 else memcpy(pick + s / 16 * C + j, &p, LANES);                                    \
@@ -764,13 +764,13 @@ static inline void row_sums16(float m[16][16], float *sums) {
     }                                                                                             \
     static void NAME(const void *xv, int64_t R, int64_t C, const float *enc4, const float *sf4,  \
                      const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile, \
-                     float amax, float denom, int mse, int64_t r0, int64_t r1) {                  \
+                     float amax, float denom, int mse, int64_t r0, int64_t r1, int64_t yoff) {    \
         if (cols) {                                                                               \
-            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 1, r0, r1); \
-            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 0, r0, r1); \
+            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 1, r0, r1, yoff); \
+            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 0, r0, r1, yoff); \
         } else {                                                                                  \
-            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 1, r0, r1); \
-            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 0, r0, r1); \
+            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 1, r0, r1, yoff); \
+            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 0, r0, r1, yoff); \
         }                                                                                         \
     }
 
@@ -781,12 +781,15 @@ FP4_4OVER6(fp4_4over6_f16, _Float16, load_f16)
 #endif
 
 /* x [R, C] contiguous (in_kind as for the casts), C a multiple of 16; R a multiple of 16 for
- * columns or tiles. Returns 0, or -1 where it does not apply. */
+ * columns or tiles. Columns' codes are written transposed, [C, R / 2] as the usage keeps them: 128
+ * rows at a time into a buffer of 64 packed rows, then transposed while in cache (whole 64-byte
+ * lines to each destination row). Returns 0, or -1 where it does not apply or memory ran out. */
 int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4, const float *sf4,
                          const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile,
                          float amax, float denom, int mse, int threads) {
     typedef void (*fn_t)(const void *, int64_t, int64_t, const float *, const float *, const float *,
-                         const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t);
+                         const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t,
+                         int64_t);
     fn_t fn;
     switch (in_kind) {
     case 0: fn = fp4_4over6_bf16; break;
@@ -797,9 +800,26 @@ int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const
     default: return -1;
     }
     if (C % LANES || ((cols || tile) && R % 16)) return -1;
-    int64_t step = rows_per_thread(R, 16, threads);
-    #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t r0 = 0; r0 < R; r0 += step)
-        fn(x, R, C, enc4, sf4, enc6, sf6, y, pick, cols, tile, amax, denom, mse, r0, r0 + step < R ? r0 + step : R);
-    return 0;
+    if (!cols) {
+        int64_t step = rows_per_thread(R, 16, threads);
+        #pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int64_t r0 = 0; r0 < R; r0 += step)
+            fn(x, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, mse, r0, r0 + step < R ? r0 + step : R, 0);
+        return 0;
+    }
+    int64_t step = rows_per_thread(R, 128, threads);
+    int failed = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)
+    for (int64_t r0 = 0; r0 < R; r0 += step) {
+        int64_t r1 = r0 + step < R ? r0 + step : R;
+        uint8_t *buf = malloc((size_t)(64 * C));
+        if (!buf) { failed = 1; continue; }
+        for (int64_t sb = r0; sb < r1; sb += 128) {
+            int64_t se = sb + 128 < r1 ? sb + 128 : r1;
+            fn(x, R, C, enc4, sf4, enc6, sf6, buf, pick, 1, tile, amax, denom, mse, sb, se, sb);
+            transpose_rows(buf, y + sb / 2, C, C, R / 2, 0, (se - sb) / 2);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }
