@@ -255,6 +255,11 @@ def amax(x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
 _IN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+def _fp8_type(e5m2: bool) -> torch.dtype:
+    """The FP8 dtype the ops' ``e5m2`` flag names (custom ops take a bool, not a dtype)."""
+    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+
+
 def _cast_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple, tuple] | None:
     """A contiguous x's shape and its broadcast scale's strides as the C loop takes them: four dims,
     the last one's scale stride 0 (one scale per row) or 1 (one per element). Dims of 1 are dropped
@@ -311,7 +316,7 @@ def _scale_cast_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor | 
 
 @torch.library.custom_op("te_serial::scale_cast_fp8", mutates_args=())
 def _scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
-    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    fp8_dtype = _fp8_type(e5m2)
     y = _on_cpu(_scale_cast_native, x, scale, fp8_dtype)
     if y is not None:
         return y
@@ -321,7 +326,7 @@ def _scale_cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> 
 
 @_scale_cast_fp8.register_fake
 def _(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool) -> torch.Tensor:
-    return torch.empty_like(x, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn,
+    return torch.empty_like(x, dtype=_fp8_type(e5m2),
                             memory_format=torch.contiguous_format)
 
 
@@ -355,7 +360,7 @@ def _scale_cast_t_native(lib: ctypes.CDLL, x: torch.Tensor, scale: torch.Tensor 
 @torch.library.custom_op("te_serial::scale_cast_fp8_transposed", mutates_args=())
 def _scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool, rows: int, width: int,
                                keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    fp8_dtype = _fp8_type(e5m2)
     got = _on_cpu(_scale_cast_t_native, x, scale, fp8_dtype, rows, width, keep_rows) if x.numel() else None
     if got is not None:
         return got
@@ -367,7 +372,7 @@ def _scale_cast_fp8_transposed(x: torch.Tensor, scale: torch.Tensor | None, e5m2
 @_scale_cast_fp8_transposed.register_fake
 def _(x: torch.Tensor, scale: torch.Tensor | None, e5m2: bool, rows: int, width: int,
       keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    fp8_dtype = _fp8_type(e5m2)
     codes = torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format) if keep_rows \
         else x.new_empty((0,), dtype=fp8_dtype)
     return codes, x.new_empty((width, rows), dtype=fp8_dtype)
@@ -406,7 +411,7 @@ def _dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torc
     if y is not None:
         return y
     from .. import numerics  # the eager rule itself (numerics imports this module)
-    return numerics.dequantize_fp8(bits, scale, torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+    return numerics.dequantize_fp8(bits, scale, _fp8_type(e5m2))
 
 
 @_dequantize_fp8.register_fake
@@ -442,7 +447,7 @@ def _scale_cast_pair_native(lib: ctypes.CDLL, x: torch.Tensor, row_scale: torch.
 @torch.library.custom_op("te_serial::scale_cast_fp8_pair", mutates_args=())
 def _scale_cast_fp8_pair(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, e5m2: bool,
                          b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    fp8_dtype = _fp8_type(e5m2)
     got = _on_cpu(_scale_cast_pair_native, x, row_scale, col_scale, fp8_dtype, b)
     if got is not None:
         return got
@@ -453,7 +458,7 @@ def _scale_cast_fp8_pair(x: torch.Tensor, row_scale: torch.Tensor, col_scale: to
 @_scale_cast_fp8_pair.register_fake
 def _(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, e5m2: bool,
       b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    fp8_dtype = _fp8_type(e5m2)
     return (torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format),
             torch.empty_like(x, dtype=fp8_dtype, memory_format=torch.contiguous_format))
 
@@ -528,17 +533,16 @@ def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf
     """The one-pass C loop of 4over6, or None where it does not take the operands."""
     kind = _IN_KINDS.get(x.dtype)
     r, c = x.shape
-    grid = _grid_shape((r, c), along, tile)
+    if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (enc4, sf4, enc6, sf6))):
+        return None  # one amax (a per-row one runs torch's rule)
     try:
-        scales = [t.expand(grid).contiguous() for t in (enc4, sf4, enc6, sf6)]
+        scales = [t.expand(_grid_shape((r, c), along, tile)).contiguous() for t in (enc4, sf4, enc6, sf6)]
     except RuntimeError:  # grids of another shape: the eager rule says what is wrong
         return None
-    if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
-        return None  # one amax (a per-row one runs torch's rule)
     x = x.contiguous()
     y = torch.empty((r, c // 2) if along == 1 else (c, r // 2), dtype=torch.uint8)
-    pick = torch.empty(grid, dtype=torch.uint8)
+    pick = torch.empty(scales[0].shape, dtype=torch.uint8)
     if x.numel() and lib.te_serial_fp4_4over6(
             x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales), y.data_ptr(), pick.data_ptr(), int(along == 0),
             int(tile), float(amax.item()), float(denom.item()), int(mse),

@@ -211,7 +211,6 @@ static inline u32v select_lt(u32v a, uint32_t t, u32v x, u32v y) {
 }
 #if defined(__AVX2__)
 #include <immintrin.h>
-typedef uint32_t u32v8 __attribute__((vector_size(32)));
 static inline u8v low_bytes(u32v a) {
     a &= 0xFFu;
     __m256i lo = (__m256i)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -268,16 +267,31 @@ static inline f32v lanes_of(const float *s, int sj) { return sj ? load_f32(s) : 
 #define TO_E5M2(v) low_bytes(float_codes((v), 8, 2, 15, 57344.0f, 0x7Fu))
 #define TO_E2M1(v) float_codes((v), 4, 1, 1, 6.0f, 0x7u)
 
-/* Each FP8 loop is made for every (input kind, FP8 type): FP8_KINDS(M, P) expands
- * M(P_<input>_<type>, element type, load, codes) for each, and FP8_KIND_OF(NAME, P, FN_T) defines
- * NAME(in_kind, e5m2), the one for an input kind (0 bf16, 1 fp16, 2 fp32), or 0 where not built. */
+/* Each loop is made for every input kind (0 bf16, 1 fp16, 2 fp32), the FP8 ones for each FP8 type
+ * too: INPUT_KINDS(M, P) expands M(P_<input>, element type, load) for each, FP8_KINDS(M, P)
+ * M(P_<input>_<type>, element type, load, codes); INPUT_KIND_OF(NAME, P, FN_T) and
+ * FP8_KIND_OF(NAME, P, FN_T) define NAME(in_kind[, e5m2]), the one for a kind, or 0 where not built. */
 #if defined(__FLT16_MAX__)
+#define F16_INPUT(M, P) M(P##_f16, _Float16, load_f16)
+#define F16_INPUT_CASE(P, FN_T) case 1: return (FN_T)P##_f16;
 #define F16_KINDS(M, P) M(P##_f16_e4m3, _Float16, load_f16, TO_E4M3) M(P##_f16_e5m2, _Float16, load_f16, TO_E5M2)
 #define F16_CASES(P, FN_T) case 2: return (FN_T)P##_f16_e4m3; case 3: return (FN_T)P##_f16_e5m2;
 #else
+#define F16_INPUT(M, P)
+#define F16_INPUT_CASE(P, FN_T)
 #define F16_KINDS(M, P)
 #define F16_CASES(P, FN_T)
 #endif
+#define INPUT_KINDS(M, P) M(P##_bf16, uint16_t, load_bf16) M(P##_f32, float, load_f32) F16_INPUT(M, P)
+#define INPUT_KIND_OF(NAME, P, FN_T)                                                              \
+    static FN_T NAME(int in_kind) {                                                               \
+        switch (in_kind) {                                                                        \
+        case 0: return (FN_T)P##_bf16;                                                            \
+        F16_INPUT_CASE(P, FN_T)                                                                   \
+        case 2: return (FN_T)P##_f32;                                                             \
+        default: return 0;                                                                        \
+        }                                                                                         \
+    }
 #define FP8_KINDS(M, P)                                                                           \
     M(P##_bf16_e4m3, uint16_t, load_bf16, TO_E4M3) M(P##_bf16_e5m2, uint16_t, load_bf16, TO_E5M2) \
     M(P##_f32_e4m3, float, load_f32, TO_E4M3) M(P##_f32_e5m2, float, load_f32, TO_E5M2) F16_KINDS(M, P)
@@ -314,8 +328,9 @@ static inline void pack_lanes(u32v c, uint8_t *y) {
     u8v8 q = __builtin_convertvector((w | (w >> 4)) & 0xFFu, u8v8);
     memcpy(y, &q, LANES / 2);
 }
+static inline u8v paired_rows(u32v lo, u32v hi) { return low_bytes(lo | (hi << 4)); }
 static inline void pack_rows(u32v lo, u32v hi, uint8_t *y) {
-    u8v q = low_bytes(lo | (hi << 4));
+    u8v q = paired_rows(lo, hi);
     memcpy(y, &q, LANES);
 }
 
@@ -379,11 +394,10 @@ FP8_KINDS(CAST_ROW, cast)
         else NAME##_loop(xv, scale, y, n, w, 0, rows, o0, o1);                                    \
     }
 
-CAST_FP4(fp4_bf16, uint16_t, load_bf16)
-CAST_FP4(fp4_f32, float, load_f32)
-#if defined(__FLT16_MAX__)
-CAST_FP4(fp4_f16, _Float16, load_f16)
-#endif
+INPUT_KINDS(CAST_FP4, fp4)
+typedef void (*fp4_cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int, int, int64_t, int64_t);
+INPUT_KIND_OF(fp4_cast_of, fp4, fp4_cast_fn)
 
 /* The value of each E2M1 code (magnitude index m in bits 0-2, sign in bit 3), built as fp32 bits:
  * m >= 2 is 2^((m >> 1) - 1) * (1 + (m & 1) / 2), m = 1 is 0.5, m = 0 is 0. */
@@ -405,19 +419,9 @@ static inline f32v e2m1_error(f32v x, u32v c, f32v sf, float amax, float denom, 
 int te_serial_scale_cast_fp4(const void *x, const float *scale, uint8_t *y, int in_kind, int64_t n,
                              int64_t d0, int64_t d1, int64_t d2, int64_t s0, int64_t s1, int64_t s2, int sj,
                              int rows, int threads) {
-    typedef void (*cast_fn)(const void *, const float *, uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, int, int, int64_t, int64_t);
-    cast_fn fn;
-    switch (in_kind) {
-    case 0: fn = fp4_bf16; break;
-#if defined(__FLT16_MAX__)
-    case 1: fn = fp4_f16; break;
-#endif
-    case 2: fn = fp4_f32; break;
-    default: return -1;
-    }
+    fp4_cast_fn fn = fp4_cast_of(in_kind);
     int64_t outer = d0 * d1 * d2, step = rows_per_thread(outer, 2, threads);
-    if (n % LANES || (rows && outer % 2)) return -1;
+    if (!fn || n % LANES || (rows && outer % 2)) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t o0 = 0; o0 < outer; o0 += step)
         fn(x, scale, y, n, d1, d2, s0, s1, s2, sj, rows, o0, o0 + step < outer ? o0 + step : outer);
@@ -744,8 +748,8 @@ static inline void row_sums16(float m[16][16], float *sums) {
                         acc6 += e2m1_error(xa, a6, d6, amax, denom, mse);                         \
                         acc6 += e2m1_error(xb, bb6, d6, amax, denom, mse);                        \
                     }                                                                             \
-                    b4[k / 2] = low_bytes(a4 | (bb4 << 4));                                       \
-                    b6[k / 2] = low_bytes(a6 | (bb6 << 4));                                       \
+                    b4[k / 2] = paired_rows(a4, bb4);                                             \
+                    b6[k / 2] = paired_rows(a6, bb6);                                             \
                 }                                                                                 \
                 if (tile) {                                                                       \
                     float e[16];                                                                  \
@@ -774,11 +778,11 @@ static inline void row_sums16(float m[16][16], float *sums) {
         }                                                                                         \
     }
 
-FP4_4OVER6(fp4_4over6_bf16, uint16_t, load_bf16)
-FP4_4OVER6(fp4_4over6_f32, float, load_f32)
-#if defined(__FLT16_MAX__)
-FP4_4OVER6(fp4_4over6_f16, _Float16, load_f16)
-#endif
+INPUT_KINDS(FP4_4OVER6, fp4_4over6)
+typedef void (*fp4_4over6_fn)(const void *, int64_t, int64_t, const float *, const float *, const float *,
+                              const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t,
+                              int64_t);
+INPUT_KIND_OF(fp4_4over6_of, fp4_4over6, fp4_4over6_fn)
 
 /* x [R, C] contiguous (in_kind as for the casts), C a multiple of 16; R a multiple of 16 for
  * columns or tiles. Columns' codes are written transposed, [C, R / 2] as the usage keeps them: 128
@@ -787,19 +791,8 @@ FP4_4OVER6(fp4_4over6_f16, _Float16, load_f16)
 int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4, const float *sf4,
                          const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile,
                          float amax, float denom, int mse, int threads) {
-    typedef void (*fn_t)(const void *, int64_t, int64_t, const float *, const float *, const float *,
-                         const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t,
-                         int64_t);
-    fn_t fn;
-    switch (in_kind) {
-    case 0: fn = fp4_4over6_bf16; break;
-#if defined(__FLT16_MAX__)
-    case 1: fn = fp4_4over6_f16; break;
-#endif
-    case 2: fn = fp4_4over6_f32; break;
-    default: return -1;
-    }
-    if (C % LANES || ((cols || tile) && R % 16)) return -1;
+    fp4_4over6_fn fn = fp4_4over6_of(in_kind);
+    if (!fn || C % LANES || ((cols || tile) && R % 16)) return -1;
     if (!cols) {
         int64_t step = rows_per_thread(R, 16, threads);
         #pragma omp parallel for num_threads(threads) schedule(static, 1)
