@@ -367,6 +367,20 @@ def scale_and_cast_to_fp4_4over6(x2: torch.Tensor, enc4: torch.Tensor, sf4: torc
     return data, pick4
 
 
+def scale_and_cast_to_fp4_4over6_pair(x2: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor,
+                                      enc6: torch.Tensor, sf6: torch.Tensor, amax: torch.Tensor,
+                                      denom: torch.Tensor, mse: bool
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both usages of :func:`scale_and_cast_to_fp4_4over6` with 16×16 tiles (grids [R/16, C/16]):
+    (rowwise codes, choices, columnwise codes, choices), each as that rule gives it. Compiled on
+    CPU, ``native.scale_cast_fp4_4over6_pair``: one pass, as a tile's candidates are the same in
+    both usages (only the order of the error sums differs)."""
+    if _c_loop_in_graph(x2):
+        return native.scale_cast_fp4_4over6_pair(x2, enc4, sf4, enc6, sf6, amax, denom, mse)
+    return (*scale_and_cast_to_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, denom, mse, 1, True),
+            *scale_and_cast_to_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, denom, mse, 0, True))
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: (..., n) bytes → (..., 2n) codes, each byte widened to a
     little-endian int16 holding (low nibble, high nibble) as its two bytes (no stack: fusable)."""

@@ -353,6 +353,11 @@ def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
         args = (xq, enc4, sf4, enc6, sf6, amax, torch.tensor(6.0 * 256), False, along, tile)
         got, want = fresh_native.scale_cast_fp4_4over6(*args), nx.scale_and_cast_to_fp4_4over6(*args)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (along, tile)
+    # both usages of the tiles from one pass
+    xq, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, 1, True, 40.0)
+    args = (xq, enc4, sf4, enc6, sf6, amax, torch.tensor(6.0 * 256), False)
+    got, want = fresh_native.scale_cast_fp4_4over6_pair(*args), nx.scale_and_cast_to_fp4_4over6_pair(*args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
@@ -522,11 +527,31 @@ def test_4over6_pass_is_the_eager_rule(in_dtype, along, tile, mse, special, monk
     x, enc4, sf4, enc6, sf6, amax = _4over6_case(in_dtype, along, tile, special)
     denom = torch.tensor(6.0 * 256)
     want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
-    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, along,
+    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, (along,),
                                      tile) is not None
     got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert 0 < want[1].float().mean() < 1
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mse", [False, True])
+@pytest.mark.parametrize("special", [40.0, float("nan")])
+def test_4over6_tiles_pair_is_each_usage(in_dtype, mse, special, monkeypatch):
+    """Both usages of 16×16 tiles from one pass (each element cast once, its errors summed row by row
+    and column by column) give each usage's own rule bit for bit, both candidates chosen in each."""
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
+    x, enc4, sf4, enc6, sf6, amax = _4over6_case(in_dtype, 1, True, special)
+    denom = torch.tensor(6.0 * 256)
+    want = nx.scale_and_cast_to_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)
+    for along, (data, pick) in zip((1, 0), (want[:2], want[2:])):
+        single = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, True)
+        assert torch.equal(single[0], data) and torch.equal(single[1], pick), along
+        assert 0 < pick.float().mean() < 1
+    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, (1, 0),
+                                     True) is not None
+    got = native.scale_cast_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_4over6_pass_declines_and_refuses():
@@ -535,14 +560,14 @@ def test_4over6_pass_declines_and_refuses():
     x, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, 1, False, 40.0)
     denom = torch.tensor(6.0 * 256)
     per_row = torch.rand(x.shape[0], 1) + 1
-    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, per_row, denom, False, 1,
+    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, per_row, denom, False, (1,),
                                      False) is None
     got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
     want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     cols = x[:32, :40].contiguous()  # blocks down 40 columns: not whole 16-lane groups
     g = torch.rand(2, 40) + 0.5
-    assert native._fp4_4over6_native(native._library(), cols, g, g, g, g, amax, denom, False, 0, False) is None
+    assert native._fp4_4over6_native(native._library(), cols, g, g, g, g, amax, denom, False, (0,), False) is None
     got = native.scale_cast_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
     want = nx.scale_and_cast_to_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

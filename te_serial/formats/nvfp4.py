@@ -94,6 +94,19 @@ def _packed(codes: torch.Tensor, scales: torch.Tensor, along: int, r: int) -> tu
     return _laid_out(packed, scales, along, r)
 
 
+def _chosen_scales(pick4: torch.Tensor, s4: torch.Tensor, s6: torch.Tensor, along: int, tile: bool) -> torch.Tensor:
+    """4over6's block scales: map-to-4's where ``pick4``, else map-to-6's; a tile's spread to its 16
+    blocks along dim ``along``. Tiles are chosen once, then spread down whole rows (columnwise as the
+    usage keeps it, [C, R/16], viewed transposed): a graph choosing and spreading in one loop across
+    a transposed grid ran scalar (6 ms at 4096²)."""
+    s_b = torch.where(pick4, s4, s6)
+    if not tile:
+        return s_b
+    if along == 1:
+        return nx.per_block(s_b).repeat_interleave(BLOCK, dim=0)
+    return nx.per_block(s_b.t().contiguous()).repeat_interleave(BLOCK, dim=0).t()
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
     """NVFP4 1×16 blocks (16×16 tiles with ``with_2d_quantization``), two-level scaling.
@@ -324,17 +337,13 @@ class NVFP4Quantizer(Quantizer):
         return {"fp4_max": torch.tensor(nx.FP4_MAX, **f32),
                 "err_denom": torch.tensor(nx.FP4_MAX * self.nvfp4_e4m3_max, **f32)}
 
-    def _select_4over6(self, x2: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
-                       s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
-                       along: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """4over6 (quantize_4over6_nvfp4.cuh, default error math): (data packed along the blocks as
-        the usage keeps it, columnwise transposed; per-block scales) of the better of map-to-4 and map-to-6 for each block of x2 along dim
-        ``along`` (2-D: each tile, ``block_amax`` given per tile): ``numerics.scale_and_cast_to_fp4_4over6``
-        with the candidates' scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``,
-        ``b = amax_b / 6 · S_enc``; codes ``e2m1(x · min(1 / (s · (1 / S_enc)), FLT_MAX))``; error over
-        ``((q · s) · amax) / (6 · e4m3_max) − x``.
-        """
-        f32 = dict(dtype=torch.float32, device=x2.device)
+    def _4over6_candidates(self, block_amax: torch.Tensor, s_enc: torch.Tensor, args: Mapping[str, torch.Tensor]
+                           ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """4over6's two candidates (quantize_4over6_nvfp4.cuh, default error math) for blocks (or
+        tiles) of maxima ``block_amax``: map-to-4, then map-to-6, each (E4M3 scale bytes, encoding
+        scale, decoding scale as fp32), the scales ``e4m3(min(b · 1.5, 448))`` and ``e4m3(min(b, 448))``,
+        ``b = amax_b / 6 · S_enc``, and encoding ``min(1 / (s · (1 / S_enc)), FLT_MAX)``; grids row-major."""
+        f32 = dict(dtype=torch.float32, device=block_amax.device)
         base = block_amax / args["fp4_max"] * s_enc
         s_dec = nx.reciprocal(s_enc)
         fp8_max = nx.fp8_max(torch.float8_e4m3fn)
@@ -347,11 +356,35 @@ class NVFP4Quantizer(Quantizer):
         (s4, enc4, sf4), (s6, enc6, sf6) = cands
         # row-major grids, as the C loop reads them (a graph would keep a transposed grid's strides)
         enc4, sf4, enc6, sf6 = nx.per_blocks(*(t.contiguous() for t in (enc4, sf4, enc6, sf6)))
+        return (s4, enc4, sf4), (s6, enc6, sf6)
+
+    def _select_4over6(self, x2: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor,
+                       s_enc: torch.Tensor, args: Mapping[str, torch.Tensor],
+                       along: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """4over6: (data packed along the blocks as the usage keeps it, columnwise transposed;
+        per-block scales) of the better of :meth:`_4over6_candidates` for each block of x2 along dim
+        ``along`` (2-D: each tile, ``block_amax`` given per tile): ``numerics.scale_and_cast_to_fp4_4over6``,
+        its error over ``((q · s) · amax) / (6 · e4m3_max) − x``."""
+        (s4, enc4, sf4), (s6, enc6, sf6) = self._4over6_candidates(block_amax, s_enc, args)
         tile = self.with_2d_quantization  # the grids are per tile: the choice is the tile's
         data, pick4 = nx.scale_and_cast_to_fp4_4over6(x2, enc4, sf4, enc6, sf6, amax, args["err_denom"],
                                                       self.nvfp4_4over6_err_mode == "MSE", along, tile)
-        s_b = torch.where(pick4, s4, s6)
-        return data, (s_b.repeat_interleave(BLOCK, dim=1 - along) if tile else s_b)
+        return data, _chosen_scales(pick4, s4, s6, along, tile)
+
+    def _tiles_4over6(self, xc: torch.Tensor, amax: torch.Tensor, args: Mapping[str, torch.Tensor],
+                      given: BlockAmax | None) -> dict[str, torch.Tensor]:
+        """Both usages of 2-D 4over6 from one pass (``numerics.scale_and_cast_to_fp4_4over6_pair``): a
+        tile's candidates are the same in each, only its error sums' order differs."""
+        args = args or self._kernel_args(xc.device)
+        _, _, tiles, amax, s_enc = self._blocks(xc, amax, 1, given, spread=False)
+        (s4, enc4, sf4), (s6, enc6, sf6) = self._4over6_candidates(tiles, s_enc, args)
+        rows, pick_r, cols, pick_c = nx.scale_and_cast_to_fp4_4over6_pair(
+            xc, enc4, sf4, enc6, sf6, amax, args["err_denom"], self.nvfp4_4over6_err_mode == "MSE")
+        r = xc.shape[0]
+        data, s_b = _laid_out(rows, _chosen_scales(pick_r, s4, s6, 1, True), 1, r)
+        data_c, s_c = _laid_out(cols, _chosen_scales(pick_c, s4, s6, 0, True), 0, r, transposed=True)
+        return {"_rowwise_data": data, "_rowwise_scale_inv": s_b,
+                "_columnwise_data": data_c, "_columnwise_scale_inv": s_c.t()}
 
     def _rht(self, xt: torch.Tensor) -> torch.Tensor:
         """Columnwise RHT: bf16 inputs times ±1/4 (exact), summed in fp32, result rounded to bf16.
@@ -415,6 +448,9 @@ class NVFP4Quantizer(Quantizer):
             grid = s_b[::BLOCK].repeat_interleave(BLOCK, dim=1)  # the tiles' scales spread down the columns
             out["_columnwise_data"], out["_columnwise_scale_inv"] = _packed(codes, grid, 0, xc.shape[0])[0], grid
             return out
+        if self.rowwise and self.columnwise and self.with_2d_quantization and self.nvfp4_use_4over6 \
+                and not self.with_rht:
+            return self._tiles_4over6(xc, amax, args, given)
         if self.rowwise:
             out["_rowwise_data"], out["_rowwise_scale_inv"] = self._encode(xc, amax, args, given=given)
         if self.columnwise:

@@ -52,6 +52,7 @@ from ..tracing import tracing
 
 __all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
            "scale_cast_fp8_transposed", "scale_cast_fp8_pair", "scale_cast_fp4", "scale_cast_fp4_4over6",
+           "scale_cast_fp4_4over6_pair",
            "dequantize_fp8", "available", "cache_dir"]
 
 NATIVE_ENV = "TE_SERIAL_NATIVE"
@@ -138,8 +139,10 @@ def _library() -> ctypes.CDLL | None:
                 lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
                 lib.te_serial_scale_cast_fp4.restype = i32
                 f32 = ctypes.c_float
-                lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, i32, f32, f32, i32, i32]
+                lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, f32, f32, i32, i32]
                 lib.te_serial_fp4_4over6.restype = i32
+                lib.te_serial_fp4_4over6_tiles.argtypes = [ptr, i32, i64, i64] + [ptr] * 8 + [f32, f32, i32, i32]
+                lib.te_serial_fp4_4over6_tiles.restype = i32
                 lib.te_serial_dequant_fp8.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32]
                 lib.te_serial_dequant_fp8.restype = None
                 lib.te_serial_scale_cast_fp8_pair.argtypes = [ptr] * 5 + [i32, i32, i64, i64, i64, i32]
@@ -528,36 +531,56 @@ def _grid_shape(shape: tuple[int, ...], along: int, tile: bool) -> tuple[int, in
 
 
 def _fp4_4over6_native(lib: ctypes.CDLL, x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
-                       sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int,
-                       tile: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The one-pass C loop of 4over6, or None where it does not take the operands."""
+                       sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool,
+                       alongs: tuple[int, ...], tile: bool) -> list[torch.Tensor] | None:
+    """The one-pass C loop of 4over6 for the usages ``alongs`` (1 rows, 0 columns; both only with
+    ``tile``): each one's (codes, choices) in turn, or None where it does not take the operands."""
     kind = _IN_KINDS.get(x.dtype)
     r, c = x.shape
-    if (kind is None or c % 16 or ((along == 0 or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
+    if (kind is None or c % 16 or ((0 in alongs or tile) and r % 16) or amax.numel() != 1 or denom.numel() != 1
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (enc4, sf4, enc6, sf6))):
         return None  # one amax (a per-row one runs torch's rule)
     try:
-        scales = [t.expand(_grid_shape((r, c), along, tile)).contiguous() for t in (enc4, sf4, enc6, sf6)]
+        scales = [t.expand(_grid_shape((r, c), alongs[0], tile)).contiguous() for t in (enc4, sf4, enc6, sf6)]
     except RuntimeError:  # grids of another shape: the eager rule says what is wrong
         return None
     x = x.contiguous()
-    y = torch.empty((r, c // 2) if along == 1 else (c, r // 2), dtype=torch.uint8)
-    pick = torch.empty(scales[0].shape, dtype=torch.uint8)
-    if x.numel() and lib.te_serial_fp4_4over6(
-            x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales), y.data_ptr(), pick.data_ptr(), int(along == 0),
-            int(tile), float(amax.item()), float(denom.item()), int(mse),
-            _threads(r // 16, x.numel() * x.element_size(), 1)):
-        return None
-    return (y.view(r, c // 16, 8) if along == 1 else y), pick.view(torch.bool)
+    out = {along: (torch.empty((r, c // 2) if along == 1 else (c, r // 2), dtype=torch.uint8),
+                   torch.empty(scales[0].shape, dtype=torch.uint8)) for along in alongs}
+    common = (x.data_ptr(), kind, r, c, *(t.data_ptr() for t in scales))
+    tail = (float(amax.item()), float(denom.item()), int(mse), _threads(r // 16, x.numel() * x.element_size(), 1))
+    if x.numel():
+        if tile:  # rows', then columns' codes and choices, NULL for a usage not asked
+            ptrs = [out[along][i].data_ptr() if along in out else None for along in (1, 0) for i in (0, 1)]
+            failed = lib.te_serial_fp4_4over6_tiles(*common, *ptrs, *tail)
+        else:
+            (along, (y, pick)), = out.items()
+            failed = lib.te_serial_fp4_4over6(*common, y.data_ptr(), pick.data_ptr(), int(along == 0), *tail)
+        if failed:
+            return None
+    return [t for along in alongs for t in (out[along][0].view(r, c // 16, 8) if along == 1 else out[along][0],
+                                            out[along][1].view(torch.bool))]
+
+
+def _fp4_4over6_fake(x: torch.Tensor, along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    r, c = x.shape
+    packed = x.new_empty((r, c // 16, 8) if along == 1 else (c, r // 2), dtype=torch.uint8)
+    return packed, x.new_empty(_grid_shape((r, c), along, tile), dtype=torch.bool)
+
+
+def _check_4over6(x: torch.Tensor, along: int, tile: bool) -> None:
+    if x.dim() != 2 or along not in (0, 1) or x.shape[along] % 16 or (tile and x.shape[1 - along] % 16):
+        raise ValueError(f"scale_cast_fp4_4over6 takes a 2-D x in blocks of 16 along dim {along} (tiles: both "
+                         f"dims), got shape {tuple(x.shape)}")
 
 
 @torch.library.custom_op("te_serial::scale_cast_fp4_4over6", mutates_args=())
 def _scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
                            sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int,
                            tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    got = _on_cpu(_fp4_4over6_native, x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+    got = _on_cpu(_fp4_4over6_native, x, enc4, sf4, enc6, sf6, amax, denom, mse, (along,), tile)
     if got is not None:
-        return got
+        return tuple(got)
     from .. import numerics  # the eager rule itself (numerics imports this module)
     return numerics.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
 
@@ -565,9 +588,7 @@ def _scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tenso
 @_scale_cast_fp4_4over6.register_fake
 def _(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor, sf6: torch.Tensor,
       amax: torch.Tensor, denom: torch.Tensor, mse: bool, along: int, tile: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    r, c = x.shape
-    packed = x.new_empty((r, c // 16, 8) if along == 1 else (c, r // 2), dtype=torch.uint8)
-    return packed, x.new_empty(_grid_shape((r, c), along, tile), dtype=torch.bool)
+    return _fp4_4over6_fake(x, along, tile)
 
 
 def scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
@@ -577,7 +598,34 @@ def scale_cast_fp4_4over6(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor
     pass over x [R, C] on CPU: both candidates cast and their errors summed as they are made, the
     decoded values looked up by code from a table per scale value; an opaque op inside a compiled
     graph. Where the C loop does not take the operands the eager rule runs."""
-    if x.dim() != 2 or along not in (0, 1) or x.shape[along] % 16 or (tile and x.shape[1 - along] % 16):
-        raise ValueError(f"scale_cast_fp4_4over6 takes a 2-D x in blocks of 16 along dim {along} (tiles: both "
-                         f"dims), got shape {tuple(x.shape)}")
+    _check_4over6(x, along, tile)
     return _scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+
+
+@torch.library.custom_op("te_serial::scale_cast_fp4_4over6_pair", mutates_args=())
+def _scale_cast_fp4_4over6_pair(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
+                                sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor,
+                                mse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    got = _on_cpu(_fp4_4over6_native, x, enc4, sf4, enc6, sf6, amax, denom, mse, (1, 0), True)
+    if got is not None:
+        return tuple(got)
+    from .. import numerics
+    return numerics.scale_and_cast_to_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)
+
+
+@_scale_cast_fp4_4over6_pair.register_fake
+def _(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor, sf6: torch.Tensor,
+      amax: torch.Tensor, denom: torch.Tensor,
+      mse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (*_fp4_4over6_fake(x, 1, True), *_fp4_4over6_fake(x, 0, True))
+
+
+def scale_cast_fp4_4over6_pair(x: torch.Tensor, enc4: torch.Tensor, sf4: torch.Tensor, enc6: torch.Tensor,
+                               sf6: torch.Tensor, amax: torch.Tensor, denom: torch.Tensor,
+                               mse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``numerics.scale_and_cast_to_fp4_4over6_pair`` (both usages of 16×16 tiles) in one pass on
+    CPU: a tile's candidates are the same in either usage, so each element is cast and its errors
+    taken once for both; an opaque op inside a compiled graph. Where the C loop does not take the
+    operands the eager rule runs."""
+    _check_4over6(x, 1, True)
+    return _scale_cast_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)

@@ -182,6 +182,8 @@ typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
 typedef uint8_t u8v __attribute__((vector_size(LANES)));
 typedef uint16_t u16v8 __attribute__((vector_size(LANES)));
 typedef uint8_t u8v8 __attribute__((vector_size(LANES / 2)));
+typedef float f32v8 __attribute__((vector_size(32)));
+typedef float f32v4 __attribute__((vector_size(16)));
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -583,14 +585,11 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
     return failed ? -1 : 0;
 }
 
-/* NVFP4 4over6 in one pass (quantize_4over6_nvfp4.cuh): each block of 16 along `cols` == 0 (rows:
- * blocks [R, C / 16], codes [R, C / 2]) or `cols` == 1 (columns: blocks [R / 16, C], codes packed as
- * pairs of rows, [R / 2, C] from `yoff`'s row on) is cast with both candidate scales (enc4, sf4: map-to-4; enc6, sf6:
- * map-to-6; fp32 grids of one per block, or with `tile` one per 16 x 16 tile, [R / 16, C / 16]),
- * each candidate's error summed over the block in order (fp32). With `tile` the 16 blocks of a tile
- * (16 rows of one block column, or 16 columns of one block row) add their sums in the warp's tree
- * order (i and i + 8, then i + 4, 2, 1). A block (tile) keeps map-to-4's codes where that sum is
- * strictly lower (a NaN sum keeps map-to-6); pick, per block (tile), says which.
+/* NVFP4 4over6 in one pass (quantize_4over6_nvfp4.cuh): each block of 16 (or 16 x 16 tile) is cast
+ * with both candidate scales (enc4, sf4: map-to-4; enc6, sf6: map-to-6), each candidate's error
+ * summed over the block in order (fp32). A tile's 16 blocks (16 rows, or 16 columns, of 16) add
+ * their sums in the warp's tree order (i and i + 8, then i + 4, 2, 1). A block (tile) keeps
+ * map-to-4's codes where that sum is strictly lower (a NaN sum keeps map-to-6); pick says which.
  *
  * A candidate's decoded values ((q * sf) * amax) / denom take 16 values per scale: they are made
  * once per scale value as a table and looked up by code, the same IEEE operations as per element. */
@@ -603,7 +602,6 @@ static inline f32v lookup16(f32v tbl, u32v c) {
 #if defined(__AVX512F__)
     return (f32v)_mm512_permutexvar_ps((__m512i)c, (__m512)tbl);
 #elif defined(__AVX2__)
-    typedef float f32v8 __attribute__((vector_size(32)));
     __m256 lo = (__m256)__builtin_shufflevector(tbl, tbl, 0, 1, 2, 3, 4, 5, 6, 7);
     __m256 hi = (__m256)__builtin_shufflevector(tbl, tbl, 8, 9, 10, 11, 12, 13, 14, 15);
     u32v s = c << 28;  /* bit 3 (codes 8-15) as each lane's sign: the blend's selector */
@@ -631,16 +629,15 @@ static inline f32v table_for(table_cache *t, float sf, float amax, float denom) 
     if (!t->valid || t->bits != b) { t->tbl = decode_table(sf, amax, denom); t->bits = b; t->valid = 1; }
     return t->tbl;
 }
-/* the sums of a tile's 16 blocks in the warp's order (reduce_group_sum_16: shfl_down by 8, 4, 2, 1) */
-static inline float tile_sum(const float *e) {
-    float t[16];
-    for (int i = 0; i < 16; i++) t[i] = e[i];
-    for (int h = 8; h >= 1; h /= 2)
-        for (int i = 0; i < h; i++) t[i] = t[i] + t[i + h];
-    return t[0];
+/* the sum of a tile's 16 block sums (lane i: block i) in the warp's order (reduce_group_sum_16:
+ * shfl_down by 8, 4, 2, 1): lane i + h onto lane i for h = 8, 4, 2, 1 */
+static inline float tile_sum(f32v e) {
+    f32v8 t8 = __builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32v4 t4 = __builtin_shufflevector(t8, t8, 0, 1, 2, 3) + __builtin_shufflevector(t8, t8, 4, 5, 6, 7);
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
 
-/* sums[r] = m[r][0] + m[r][1] + ... + m[r][15], added in that order (fp32), for the 16 rows of m:
+/* lane r: m[r][0] + m[r][1] + ... + m[r][15], added in that order (fp32), for the 16 rows of m:
  * each block's error sum, 16 blocks at a time. With AVX2, four 8 x 8 transposes put a row's terms in
  * one lane, so the adds run 8 rows at a time; elsewhere row by row. */
 #if defined(__AVX2__)
@@ -659,8 +656,9 @@ static inline void transpose8(__m256 *r) {  /* r[i][j] -> r[j][i] */
     r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 #endif
-static inline void row_sums16(float m[16][16], float *sums) {
+static inline f32v row_sums16(float m[16][16]) {
 #if defined(__AVX2__)
+    f32v8 half[2];
     for (int h = 0; h < 16; h += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int q = 0; q < 16; q += 8) {
@@ -669,32 +667,36 @@ static inline void row_sums16(float m[16][16], float *sums) {
             transpose8(t);  /* t[i]: term q + i of rows h .. h + 7 */
             for (int i = 0; i < 8; i++) acc = q + i == 0 ? t[0] : _mm256_add_ps(acc, t[i]);
         }
-        _mm256_storeu_ps(sums + h, acc);
+        half[h / 8] = (f32v8)acc;
     }
+    return __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
+    f32v sums;
     for (int r = 0; r < 16; r++) {
         float a = m[r][0];
         for (int i = 1; i < 16; i++) a += m[r][i];
         sums[r] = a;
     }
+    return sums;
 #endif
 }
 
+/* 1 x 16 blocks along `cols` == 0 (rows: grids [R, C / 16], codes [R, C / 2]) or `cols` == 1
+ * (columns: grids [R / 16, C], codes packed as pairs of rows, [R / 2, C] from `yoff`'s row on) */
 #define FP4_4OVER6(NAME, T, LOAD)                                                                 \
-    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t R, int64_t C, \
-            const float *enc4, const float *sf4, const float *enc6, const float *sf6, uint8_t *y, \
-            uint8_t *pick, const int cols, int tile, float amax, float denom, const int mse,      \
-            int64_t r0, int64_t r1, int64_t yoff) {                                               \
+    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t C, const float *enc4, \
+            const float *sf4, const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, const int cols, \
+            float amax, float denom, const int mse, int64_t r0, int64_t r1, int64_t yoff) {       \
         const int64_t nb = C / LANES;                                                             \
         table_cache t4 = {0}, t6 = {0};                                                           \
         if (!cols) {  /* rows: stripes of up to 16 rows, one block column at a time */            \
             for (int64_t s = r0; s < r1; s += 16) {                                               \
                 int h = r1 - s < 16 ? (int)(r1 - s) : 16;                                         \
                 for (int64_t kb = 0; kb < nb; kb++) {                                             \
-                    float m4[16][LANES], m6[16][LANES], e4[16], e6[16];  /* each row's terms */   \
+                    float m4[16][LANES], m6[16][LANES];  /* each row's terms */                   \
                     uint8_t c4[16][LANES / 2], c6[16][LANES / 2];                                 \
                     for (int r = 0; r < h; r++) {                                                 \
-                        const int64_t b = tile ? s / 16 * nb + kb : (s + r) * nb + kb;            \
+                        const int64_t b = (s + r) * nb + kb;                                      \
                         f32v v = LOAD(x + (s + r) * C + kb * LANES);                              \
                         u32v q4 = TO_E2M1(v * enc4[b]), q6 = TO_E2M1(v * enc6[b]);                \
                         f32v a4 = table_error(v, q4, table_for(&t4, sf4[b], amax, denom), mse);   \
@@ -705,14 +707,10 @@ static inline void row_sums16(float m[16][16], float *sums) {
                         pack_lanes(q6, c6[r]);                                                    \
                     }                                                                             \
                     if (h < 16) { memset(m4[h], 0, sizeof m4[0] * (16 - h)); memset(m6[h], 0, sizeof m6[0] * (16 - h)); } \
-                    row_sums16(m4, e4);                                                           \
-                    row_sums16(m6, e6);                                                           \
-                    if (tile) { float a = tile_sum(e4), b = tile_sum(e6);                         \
-                        for (int r = 0; r < 16; r++) { e4[r] = a; e6[r] = b; } }                  \
+                    u8v p = low_bytes((u32v)(row_sums16(m4) < row_sums16(m6)) & 1u);  /* NaN: false */ \
                     for (int r = 0; r < h; r++) {                                                 \
-                        int p = e4[r] < e6[r];                                                    \
-                        memcpy(y + (s + r) * (C / 2) + kb * (LANES / 2), p ? c4[r] : c6[r], LANES / 2); \
-                        pick[tile ? s / 16 * nb + kb : (s + r) * nb + kb] = (uint8_t)p;           \
+                        memcpy(y + (s + r) * (C / 2) + kb * (LANES / 2), p[r] ? c4[r] : c6[r], LANES / 2); \
+                        pick[(s + r) * nb + kb] = p[r];                                           \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
@@ -722,12 +720,9 @@ static inline void row_sums16(float m[16][16], float *sums) {
             const float *e4s = enc4 + s / 16 * C, *f4s = sf4 + s / 16 * C;                       \
             const float *e6s = enc6 + s / 16 * C, *f6s = sf6 + s / 16 * C;                       \
             for (int64_t j = 0; j < C; j += LANES) {                                              \
-                const int64_t g = s / 16 * nb + j / LANES;  /* the tile, with `tile` */          \
-                f32v n4 = tile ? (f32v){} + enc4[g] : load_f32(e4s + j);                          \
-                f32v n6 = tile ? (f32v){} + enc6[g] : load_f32(e6s + j);                          \
-                f32v d4 = tile ? (f32v){} + sf4[g] : load_f32(f4s + j);                           \
-                f32v d6 = tile ? (f32v){} + sf6[g] : load_f32(f6s + j);                           \
-                /* one scale for all 16 lanes (a tile's): the table; else each lane's values */   \
+                f32v n4 = load_f32(e4s + j), n6 = load_f32(e6s + j);                              \
+                f32v d4 = load_f32(f4s + j), d6 = load_f32(f6s + j);                              \
+                /* one scale for all 16 lanes: the table; else each lane's values */              \
                 int one = 1;                                                                      \
                 for (int i = 1; i < LANES; i++)                                                   \
                     one &= f2u(d4[i]) == f2u(d4[0]) && f2u(d6[i]) == f2u(d6[0]);                  \
@@ -751,68 +746,141 @@ static inline void row_sums16(float m[16][16], float *sums) {
                     b4[k / 2] = paired_rows(a4, bb4);                                             \
                     b6[k / 2] = paired_rows(a6, bb6);                                             \
                 }                                                                                 \
-                if (tile) {                                                                       \
-                    float e[16];                                                                  \
-                    memcpy(e, &acc4, sizeof e); acc4 = (f32v){} + tile_sum(e);                    \
-                    memcpy(e, &acc6, sizeof e); acc6 = (f32v){} + tile_sum(e);                    \
-                }                                                                                 \
                 u8v p = low_bytes((u32v)(acc4 < acc6) & 1u), m = (u8v)(p != 0);  /* NaN: false */ \
                 for (int k = 0; k < 8; k++) {                                                     \
                     u8v o = (b4[k] & m) | (b6[k] & ~m);                                           \
                     memcpy(y + ((s - yoff) / 2 + k) * C + j, &o, LANES);                          \
                 }                                                                                 \
-                if (tile) pick[g] = p[0];                                                         \
-                else memcpy(pick + s / 16 * C + j, &p, LANES);                                    \
+                memcpy(pick + s / 16 * C + j, &p, LANES);                                         \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    static void NAME(const void *xv, int64_t R, int64_t C, const float *enc4, const float *sf4,  \
-                     const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile, \
-                     float amax, float denom, int mse, int64_t r0, int64_t r1, int64_t yoff) {    \
+    static void NAME(const void *xv, int64_t C, const float *enc4, const float *sf4, const float *enc6, \
+                     const float *sf6, uint8_t *y, uint8_t *pick, int cols, float amax, float denom, int mse, \
+                     int64_t r0, int64_t r1, int64_t yoff) {                                      \
         if (cols) {                                                                               \
-            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 1, r0, r1, yoff); \
-            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 1, tile, amax, denom, 0, r0, r1, yoff); \
+            if (mse) NAME##_loop(xv, C, enc4, sf4, enc6, sf6, y, pick, 1, amax, denom, 1, r0, r1, yoff); \
+            else NAME##_loop(xv, C, enc4, sf4, enc6, sf6, y, pick, 1, amax, denom, 0, r0, r1, yoff); \
         } else {                                                                                  \
-            if (mse) NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 1, r0, r1, yoff); \
-            else NAME##_loop(xv, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, 0, r0, r1, yoff); \
+            if (mse) NAME##_loop(xv, C, enc4, sf4, enc6, sf6, y, pick, 0, amax, denom, 1, r0, r1, yoff); \
+            else NAME##_loop(xv, C, enc4, sf4, enc6, sf6, y, pick, 0, amax, denom, 0, r0, r1, yoff); \
         }                                                                                         \
     }
 
+/* 16 x 16 tiles (grids [R / 16, C / 16]): a tile's one pair of candidate scales serves both usages,
+ * so each element is cast, and its two errors taken, once for both. The rowwise choice sums a
+ * tile's errors row by row (each row in order), the columnwise one column by column (each down the
+ * rows in order), the loop above's sums either way. Rows: codes yr [R, C / 2], choices pr; columns:
+ * codes as pairs of rows, yc [R / 2, C] from `yoff`'s row on, choices pc; either usage NULL to skip. */
+#define FP4_4OVER6_TILES(NAME, T, LOAD)                                                           \
+    static inline __attribute__((always_inline)) void NAME##_loop(const T *x, int64_t C, const float *enc4, \
+            const float *sf4, const float *enc6, const float *sf6, uint8_t *yr, uint8_t *pr, uint8_t *yc, \
+            uint8_t *pc, float amax, float denom, const int mse, int64_t r0, int64_t r1, int64_t yoff) { \
+        const int64_t nb = C / LANES;                                                             \
+        for (int64_t s = r0; s < r1; s += 16) {                                                   \
+            for (int64_t kb = 0; kb < nb; kb++) {                                                 \
+                const int64_t g = s / 16 * nb + kb;                                               \
+                const f32v n4 = (f32v){} + enc4[g], n6 = (f32v){} + enc6[g];                      \
+                const f32v tb4 = decode_table(sf4[g], amax, denom), tb6 = decode_table(sf6[g], amax, denom); \
+                float m4[16][LANES], m6[16][LANES];  /* each row's terms */                       \
+                uint8_t c4[16][LANES / 2], c6[16][LANES / 2];  /* each row's codes */             \
+                u8v b4[8], b6[8];  /* pairs of rows' codes */                                     \
+                f32v acc4 = {0}, acc6 = {0};  /* each column's sum */                             \
+                for (int k = 0; k < 16; k += 2) {                                                 \
+                    const T *xr = x + (s + k) * C + kb * LANES;                                   \
+                    f32v xa = LOAD(xr), xb = LOAD(xr + C);                                        \
+                    u32v a4 = TO_E2M1(xa * n4), bb4 = TO_E2M1(xb * n4);                           \
+                    u32v a6 = TO_E2M1(xa * n6), bb6 = TO_E2M1(xb * n6);                           \
+                    f32v ea4 = table_error(xa, a4, tb4, mse), eb4 = table_error(xb, bb4, tb4, mse); \
+                    f32v ea6 = table_error(xa, a6, tb6, mse), eb6 = table_error(xb, bb6, tb6, mse); \
+                    if (yr) {                                                                     \
+                        memcpy(m4[k], &ea4, sizeof ea4); memcpy(m4[k + 1], &eb4, sizeof eb4);     \
+                        memcpy(m6[k], &ea6, sizeof ea6); memcpy(m6[k + 1], &eb6, sizeof eb6);     \
+                        pack_lanes(a4, c4[k]); pack_lanes(bb4, c4[k + 1]);                        \
+                        pack_lanes(a6, c6[k]); pack_lanes(bb6, c6[k + 1]);                        \
+                    }                                                                             \
+                    if (yc) {                                                                     \
+                        acc4 += ea4; acc4 += eb4; acc6 += ea6; acc6 += eb6;                       \
+                        b4[k / 2] = paired_rows(a4, bb4);                                         \
+                        b6[k / 2] = paired_rows(a6, bb6);                                         \
+                    }                                                                             \
+                }                                                                                 \
+                if (yr) {  /* NaN: false, map-to-6 */                                             \
+                    const int p = tile_sum(row_sums16(m4)) < tile_sum(row_sums16(m6));           \
+                    for (int r = 0; r < 16; r++)                                                  \
+                        memcpy(yr + (s + r) * (C / 2) + kb * (LANES / 2), p ? c4[r] : c6[r], LANES / 2); \
+                    pr[g] = (uint8_t)p;                                                           \
+                }                                                                                 \
+                if (yc) {                                                                         \
+                    const int p = tile_sum(acc4) < tile_sum(acc6);                                \
+                    for (int k = 0; k < 8; k++)                                                   \
+                        memcpy(yc + ((s - yoff) / 2 + k) * C + kb * LANES, p ? &b4[k] : &b6[k], LANES); \
+                    pc[g] = (uint8_t)p;                                                           \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    static void NAME(const void *xv, int64_t C, const float *enc4, const float *sf4, const float *enc6, \
+                     const float *sf6, uint8_t *yr, uint8_t *pr, uint8_t *yc, uint8_t *pc, float amax, \
+                     float denom, int mse, int64_t r0, int64_t r1, int64_t yoff) {                \
+        if (mse) NAME##_loop(xv, C, enc4, sf4, enc6, sf6, yr, pr, yc, pc, amax, denom, 1, r0, r1, yoff); \
+        else NAME##_loop(xv, C, enc4, sf4, enc6, sf6, yr, pr, yc, pc, amax, denom, 0, r0, r1, yoff); \
+    }
+
 INPUT_KINDS(FP4_4OVER6, fp4_4over6)
-typedef void (*fp4_4over6_fn)(const void *, int64_t, int64_t, const float *, const float *, const float *,
-                              const float *, uint8_t *, uint8_t *, int, int, float, float, int, int64_t, int64_t,
-                              int64_t);
+typedef void (*fp4_4over6_fn)(const void *, int64_t, const float *, const float *, const float *, const float *,
+                              uint8_t *, uint8_t *, int, float, float, int, int64_t, int64_t, int64_t);
 INPUT_KIND_OF(fp4_4over6_of, fp4_4over6, fp4_4over6_fn)
+INPUT_KINDS(FP4_4OVER6_TILES, fp4_4over6_tiles)
+typedef void (*fp4_4over6_tiles_fn)(const void *, int64_t, const float *, const float *, const float *,
+                                    const float *, uint8_t *, uint8_t *, uint8_t *, uint8_t *, float, float, int,
+                                    int64_t, int64_t, int64_t);
+INPUT_KIND_OF(fp4_4over6_tiles_of, fp4_4over6_tiles, fp4_4over6_tiles_fn)
+
+/* Columns' codes are written transposed, [C, R / 2] as the usage keeps them: 128 rows at a time into
+ * a buffer of 64 packed rows, then transposed while in cache (whole 64-byte lines to each
+ * destination row). `stripe` runs rows [sb, se) with the buffer (or y) as its column codes. */
+#define WITH_COLUMN_STRIPES(R, C, unit, threads, yc, failed, stripe)                              \
+    do {                                                                                          \
+        int64_t step_ = rows_per_thread(R, yc ? 128 : unit, threads);                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)")  \
+        for (int64_t r0_ = 0; r0_ < R; r0_ += step_) {                                            \
+            int64_t r1_ = r0_ + step_ < R ? r0_ + step_ : R;                                      \
+            uint8_t *buf = yc ? malloc((size_t)(64 * C)) : 0;                                     \
+            if (yc && !buf) { failed = 1; continue; }                                             \
+            for (int64_t sb = r0_; sb < r1_; sb += yc ? 128 : r1_ - r0_) {                        \
+                int64_t se = yc && sb + 128 < r1_ ? sb + 128 : r1_;                               \
+                stripe;                                                                           \
+                if (yc) transpose_rows(buf, yc + sb / 2, C, C, R / 2, 0, (se - sb) / 2);          \
+            }                                                                                     \
+            free(buf);                                                                            \
+        }                                                                                         \
+    } while (0)
 
 /* x [R, C] contiguous (in_kind as for the casts), C a multiple of 16; R a multiple of 16 for
- * columns or tiles. Columns' codes are written transposed, [C, R / 2] as the usage keeps them: 128
- * rows at a time into a buffer of 64 packed rows, then transposed while in cache (whole 64-byte
- * lines to each destination row). Returns 0, or -1 where it does not apply or memory ran out. */
+ * columns. 1 x 16 blocks along the rows (cols == 0) or down the columns (cols == 1); columns'
+ * codes transposed. Returns 0, or -1 where it does not apply or memory ran out. */
 int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4, const float *sf4,
-                         const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, int tile,
-                         float amax, float denom, int mse, int threads) {
+                         const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, float amax,
+                         float denom, int mse, int threads) {
     fp4_4over6_fn fn = fp4_4over6_of(in_kind);
-    if (!fn || C % LANES || ((cols || tile) && R % 16)) return -1;
-    if (!cols) {
-        int64_t step = rows_per_thread(R, 16, threads);
-        #pragma omp parallel for num_threads(threads) schedule(static, 1)
-        for (int64_t r0 = 0; r0 < R; r0 += step)
-            fn(x, R, C, enc4, sf4, enc6, sf6, y, pick, 0, tile, amax, denom, mse, r0, r0 + step < R ? r0 + step : R, 0);
-        return 0;
-    }
-    int64_t step = rows_per_thread(R, 128, threads);
+    if (!fn || C % LANES || (cols && R % 16)) return -1;
+    uint8_t *yr = cols ? 0 : y, *yc = cols ? y : 0;
     int failed = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)
-    for (int64_t r0 = 0; r0 < R; r0 += step) {
-        int64_t r1 = r0 + step < R ? r0 + step : R;
-        uint8_t *buf = malloc((size_t)(64 * C));
-        if (!buf) { failed = 1; continue; }
-        for (int64_t sb = r0; sb < r1; sb += 128) {
-            int64_t se = sb + 128 < r1 ? sb + 128 : r1;
-            fn(x, R, C, enc4, sf4, enc6, sf6, buf, pick, 1, tile, amax, denom, mse, sb, se, sb);
-            transpose_rows(buf, y + sb / 2, C, C, R / 2, 0, (se - sb) / 2);
-        }
-        free(buf);
-    }
+    WITH_COLUMN_STRIPES(R, C, 16, threads, yc, failed,
+                        fn(x, C, enc4, sf4, enc6, sf6, yc ? buf : yr, pick, cols, amax, denom, mse, sb, se, sb));
+    return failed ? -1 : 0;
+}
+
+/* The same for 16 x 16 tiles, R and C multiples of 16: either usage, or both from one pass (yr, pr
+ * or yc, pc NULL to skip one). */
+int te_serial_fp4_4over6_tiles(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4,
+                               const float *sf4, const float *enc6, const float *sf6, uint8_t *yr, uint8_t *pr,
+                               uint8_t *yc, uint8_t *pc, float amax, float denom, int mse, int threads) {
+    fp4_4over6_tiles_fn fn = fp4_4over6_tiles_of(in_kind);
+    if (!fn || C % LANES || R % 16) return -1;
+    int failed = 0;
+    WITH_COLUMN_STRIPES(R, C, 16, threads, yc, failed,
+                        fn(x, C, enc4, sf4, enc6, sf6, yr, pr, yc ? buf : 0, pc, amax, denom, mse, sb, se, sb));
     return failed ? -1 : 0;
 }
