@@ -681,3 +681,33 @@ def test_cast_transposed_declines_and_refuses():
         native.scale_cast_fp8_transposed(x, None, torch.float8_e4m3fn, (60, 100))
     empty, transposed = native.scale_cast_fp8_transposed(torch.empty(5, 0), None, torch.float8_e5m2, (5, 0))
     assert empty.shape == (5, 0) and transposed.shape == (0, 5)
+
+
+# --- outputs ---------------------------------------------------------------------------------------
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping holding ``address`` (Linux /proc/self/smaps)."""
+    flags, inside = set(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                flags = set(line.split()[1:])
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="huge-page hints are Linux's madvise(MADV_HUGEPAGE)")
+def test_large_outputs_ask_for_huge_pages():
+    """An output a kernel writes in full asks for huge pages over its whole 2 MB pages (fresh memory
+    then faults in per 2 MB); a small one is left as it is."""
+    lib = native._library()
+    big = native._output(lib, (16 << 20,), torch.uint8)
+    inner = (big.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    assert "hg" in _vm_flags(inner)
+    small = native._output(lib, (64 << 10,), torch.uint8)
+    assert small.shape == (64 << 10,) and small.dtype == torch.uint8
+    assert lib.te_serial_prefer_huge_pages(small.data_ptr(), 64 << 10) == 0  # no whole 2 MB page: nothing asked

@@ -17,6 +17,23 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+/* Transparent huge pages asked for over the whole 2 MB pages of [p, p + n): an output about to be
+ * written in full then faults in once per 2 MB rather than once per 4 KB page (about 1 us each on a
+ * VM). A hint: returns madvise's result, or 0 where there is nothing to ask. */
+int te_serial_prefer_huge_pages(void *p, int64_t n) {
+#if defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    uintptr_t a = ((uintptr_t)p + huge - 1) & ~(huge - 1), e = ((uintptr_t)p + (uintptr_t)n) & ~(huge - 1);
+    return e > a ? madvise((void *)a, e - a, MADV_HUGEPAGE) : 0;
+#else
+    (void)p; (void)n;
+    return 0;
+#endif
+}
 
 /* rows per thread: `rows` split `threads` ways, rounded up to whole units of `unit` rows */
 static int64_t rows_per_thread(int64_t rows, int64_t unit, int threads) {
