@@ -19,7 +19,9 @@
   the block's scale), where inductor converted fp8 → fp32 lane by lane.
 * :func:`scale_cast_fp4` is NVFP4's data step by the same rule (E2M1 codes, packed two per byte as
   they are made), and :func:`scale_cast_fp4_4over6` is 4over6's choice in one pass: both candidates
-  cast, their block errors summed in order, 2-D tiles' sums in the warp's tree order.
+  cast, their block errors summed in order, 2-D tiles' sums in the warp's tree order;
+  :func:`scale_cast_fp4_4over6_pair` gives both usages of 16×16 tiles from one pass.
+* Outputs of 4 MB and more ask for huge pages (:func:`_output`).
 
 Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
 package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
