@@ -854,12 +854,13 @@ typedef void (*fp4_4over6_tiles_fn)(const void *, int64_t, const float *, const 
                                     int64_t, int64_t, int64_t);
 INPUT_KIND_OF(fp4_4over6_tiles_of, fp4_4over6_tiles, fp4_4over6_tiles_fn)
 
-/* Columns' codes are written transposed, [C, R / 2] as the usage keeps them: 128 rows at a time into
- * a buffer of 64 packed rows, then transposed while in cache (whole 64-byte lines to each
- * destination row). `stripe` runs rows [sb, se) with the buffer (or y) as its column codes. */
-#define WITH_COLUMN_STRIPES(R, C, unit, threads, yc, failed, stripe)                              \
+/* 4over6's rows split among the threads, whole blocks of 16 each. With columnwise codes (yc) they
+ * are written transposed, [C, R / 2] as the usage keeps them: 128 rows at a time into a buffer of 64
+ * packed rows, then transposed while in cache (whole 64-byte lines to each destination row).
+ * `stripe` runs rows [sb, se), writing its columnwise codes to `buf`. */
+#define WITH_COLUMN_STRIPES(R, C, threads, yc, failed, stripe)                                    \
     do {                                                                                          \
-        int64_t step_ = rows_per_thread(R, yc ? 128 : unit, threads);                              \
+        int64_t step_ = rows_per_thread(R, yc ? 128 : 16, threads);                               \
         _Pragma("omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)")  \
         for (int64_t r0_ = 0; r0_ < R; r0_ += step_) {                                            \
             int64_t r1_ = r0_ + step_ < R ? r0_ + step_ : R;                                      \
@@ -884,7 +885,7 @@ int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const
     if (!fn || C % LANES || (cols && R % 16)) return -1;
     uint8_t *yr = cols ? 0 : y, *yc = cols ? y : 0;
     int failed = 0;
-    WITH_COLUMN_STRIPES(R, C, 16, threads, yc, failed,
+    WITH_COLUMN_STRIPES(R, C, threads, yc, failed,
                         fn(x, C, enc4, sf4, enc6, sf6, yc ? buf : yr, pick, cols, amax, denom, mse, sb, se, sb));
     return failed ? -1 : 0;
 }
@@ -897,7 +898,7 @@ int te_serial_fp4_4over6_tiles(const void *x, int in_kind, int64_t R, int64_t C,
     fp4_4over6_tiles_fn fn = fp4_4over6_tiles_of(in_kind);
     if (!fn || C % LANES || R % 16) return -1;
     int failed = 0;
-    WITH_COLUMN_STRIPES(R, C, 16, threads, yc, failed,
+    WITH_COLUMN_STRIPES(R, C, threads, yc, failed,
                         fn(x, C, enc4, sf4, enc6, sf6, yr, pr, yc ? buf : 0, pc, amax, denom, mse, sb, se, sb));
     return failed ? -1 : 0;
 }
