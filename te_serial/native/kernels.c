@@ -574,6 +574,26 @@ int te_serial_scale_cast_fp8_pair(const void *x, const float *rs, const float *c
     return 0;
 }
 
+/* Rows [0, R) split among the threads in whole units of `unit` rows, each thread's share run
+ * `stripe` rows at a time (0: all at once) as the statements after `failed`, over rows [sb, se),
+ * with `buf` a buffer of `buf_bytes` of the thread's own where that is above 0 (`failed` set where
+ * it could not be had). The loops whose codes are transposed in cache, a stripe at a time, use it. */
+#define FOR_STRIPES(R, unit, stripe, threads, buf_bytes, failed, ...)                             \
+    do {                                                                                          \
+        const int64_t step_ = rows_per_thread(R, unit, threads);                                  \
+        _Pragma("omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)")  \
+        for (int64_t r0_ = 0; r0_ < R; r0_ += step_) {                                            \
+            const int64_t r1_ = r0_ + step_ < R ? r0_ + step_ : R, h_ = (stripe) > 0 ? (stripe) : r1_ - r0_; \
+            uint8_t *buf = (buf_bytes) > 0 ? malloc((size_t)(buf_bytes)) : 0;                     \
+            if ((buf_bytes) > 0 && !buf) { failed = 1; continue; }                                \
+            for (int64_t sb = r0_; sb < r1_; sb += h_) {                                          \
+                const int64_t se = sb + h_ < r1_ ? sb + h_ : r1_;                                 \
+                __VA_ARGS__                                                                       \
+            }                                                                                     \
+            free(buf);                                                                            \
+        }                                                                                         \
+    } while (0)
+
 /* te_serial_scale_cast_fp8 whose codes, as a row-major [rows, cols] array (each row whole outer rows
  * of n), are also written transposed to yt [cols, rows]: 64 rows at a time, cast, then transposed
  * while they are in cache (rather than read back from memory). With y NULL only the transpose is
@@ -584,21 +604,12 @@ int te_serial_scale_cast_fp8_t(const void *x, const float *scale, uint8_t *y, ui
                                int64_t rows, int64_t cols, int threads) {
     fp8_cast_fn fn = fp8_cast_of(in_kind, e5m2);
     if (!fn || cols % n) return -1;
-    const int64_t per_row = cols / n, step = rows_per_thread(rows, 64, threads);
+    const int64_t per_row = cols / n;
     int failed = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)
-    for (int64_t r0 = 0; r0 < rows; r0 += step) {
-        int64_t r1 = r0 + step < rows ? r0 + step : rows;
-        uint8_t *stripe = y ? 0 : malloc((size_t)(64 * cols));
-        if (!y && !stripe) { failed = 1; continue; }
-        for (int64_t r = r0; r < r1; r += 64) {
-            int64_t re = r + 64 < r1 ? r + 64 : r1;
-            uint8_t *codes = y ? y + r * cols : stripe;
-            fn(x, scale, codes, n, d1, d2, s0, s1, s2, sj, r * per_row, re * per_row);
-            transpose_rows(codes, yt + r, cols, cols, rows, 0, re - r);
-        }
-        free(stripe);
-    }
+    FOR_STRIPES(rows, 64, 64, threads, y ? 0 : 64 * cols, failed,
+        uint8_t *codes = y ? y + sb * cols : buf;
+        fn(x, scale, codes, n, d1, d2, s0, s1, s2, sj, sb * per_row, se * per_row);
+        transpose_rows(codes, yt + sb, cols, cols, rows, 0, se - sb););
     return failed ? -1 : 0;
 }
 
@@ -854,30 +865,11 @@ typedef void (*fp4_4over6_tiles_fn)(const void *, int64_t, const float *, const 
                                     int64_t, int64_t, int64_t);
 INPUT_KIND_OF(fp4_4over6_tiles_of, fp4_4over6_tiles, fp4_4over6_tiles_fn)
 
-/* 4over6's rows split among the threads, whole blocks of 16 each. With columnwise codes (yc) they
- * are written transposed, [C, R / 2] as the usage keeps them: 128 rows at a time into a buffer of 64
- * packed rows, then transposed while in cache (whole 64-byte lines to each destination row).
- * `stripe` runs rows [sb, se), writing its columnwise codes to `buf`. */
-#define WITH_COLUMN_STRIPES(R, C, threads, yc, failed, stripe)                                    \
-    do {                                                                                          \
-        int64_t step_ = rows_per_thread(R, yc ? 128 : 16, threads);                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(static, 1) reduction(|:failed)")  \
-        for (int64_t r0_ = 0; r0_ < R; r0_ += step_) {                                            \
-            int64_t r1_ = r0_ + step_ < R ? r0_ + step_ : R;                                      \
-            uint8_t *buf = yc ? malloc((size_t)(64 * C)) : 0;                                     \
-            if (yc && !buf) { failed = 1; continue; }                                             \
-            for (int64_t sb = r0_; sb < r1_; sb += yc ? 128 : r1_ - r0_) {                        \
-                int64_t se = yc && sb + 128 < r1_ ? sb + 128 : r1_;                               \
-                stripe;                                                                           \
-                if (yc) transpose_rows(buf, yc + sb / 2, C, C, R / 2, 0, (se - sb) / 2);          \
-            }                                                                                     \
-            free(buf);                                                                            \
-        }                                                                                         \
-    } while (0)
-
 /* x [R, C] contiguous (in_kind as for the casts), C a multiple of 16; R a multiple of 16 for
  * columns. 1 x 16 blocks along the rows (cols == 0) or down the columns (cols == 1); columns'
- * codes transposed. Returns 0, or -1 where it does not apply or memory ran out. */
+ * codes written transposed, [C, R / 2] as the usage keeps them: 128 rows at a time into a buffer
+ * of 64 packed rows, then transposed while in cache (whole 64-byte lines to each destination
+ * row). Returns 0, or -1 where it does not apply or memory ran out. */
 int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const float *enc4, const float *sf4,
                          const float *enc6, const float *sf6, uint8_t *y, uint8_t *pick, int cols, float amax,
                          float denom, int mse, int threads) {
@@ -885,8 +877,9 @@ int te_serial_fp4_4over6(const void *x, int in_kind, int64_t R, int64_t C, const
     if (!fn || C % LANES || (cols && R % 16)) return -1;
     uint8_t *yr = cols ? 0 : y, *yc = cols ? y : 0;
     int failed = 0;
-    WITH_COLUMN_STRIPES(R, C, threads, yc, failed,
-                        fn(x, C, enc4, sf4, enc6, sf6, yc ? buf : yr, pick, cols, amax, denom, mse, sb, se, sb));
+    FOR_STRIPES(R, yc ? 128 : 16, yc ? 128 : 0, threads, yc ? 64 * C : 0, failed,
+        fn(x, C, enc4, sf4, enc6, sf6, yc ? buf : yr, pick, cols, amax, denom, mse, sb, se, sb);
+        if (yc) transpose_rows(buf, yc + sb / 2, C, C, R / 2, 0, (se - sb) / 2););
     return failed ? -1 : 0;
 }
 
@@ -898,7 +891,8 @@ int te_serial_fp4_4over6_tiles(const void *x, int in_kind, int64_t R, int64_t C,
     fp4_4over6_tiles_fn fn = fp4_4over6_tiles_of(in_kind);
     if (!fn || C % LANES || R % 16) return -1;
     int failed = 0;
-    WITH_COLUMN_STRIPES(R, C, threads, yc, failed,
-                        fn(x, C, enc4, sf4, enc6, sf6, yr, pr, yc ? buf : 0, pc, amax, denom, mse, sb, se, sb));
+    FOR_STRIPES(R, yc ? 128 : 16, yc ? 128 : 0, threads, yc ? 64 * C : 0, failed,
+        fn(x, C, enc4, sf4, enc6, sf6, yr, pr, yc ? buf : 0, pc, amax, denom, mse, sb, se, sb);
+        if (yc) transpose_rows(buf, yc + sb / 2, C, C, R / 2, 0, (se - sb) / 2););
     return failed ? -1 : 0;
 }
