@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -80,11 +81,13 @@ def _save_killed_before_commit(path):
 
 def _save_killed_during_cleanup(path):
     real = os.unlink
+    dying = threading.Lock()  # the cleanup removes files in parallel: the others wait here, then die with it
 
     def dying_unlink(p, *a, **k):
         if SHARD_NAME.fullmatch(os.path.basename(p)):
-            real(p, *a, **k)
-            os._exit(137)  # one old shard removed, the rest left behind
+            with dying:
+                real(p, *a, **k)
+                os._exit(137)  # one old shard removed, the rest left behind
         return real(p, *a, **k)
     os.unlink = dying_unlink
     ts.save_quantized({"newer": torch.ones(2000)}, path, max_shard_size=1000)
