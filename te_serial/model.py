@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConversionError, ShapeError, TeSerialError, UnsupportedOperationError
+from . import fusion
+from . import numerics as nx
 from .formats.base import NOMINAL_DTYPES, QuantizedTensorStorage, Quantizer
 from .precision import stays_high_precision
 from .proto import TensorProto, to_tensor_proto
@@ -93,6 +95,13 @@ def _with_nominal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _is_hf(model: nn.Module) -> bool:
     return getattr(model, "config", None) is not None and callable(getattr(model, "save_pretrained", None))
+
+
+def _hf_config(model: nn.Module) -> dict | None:
+    """The Hugging Face model's config as a dict (for its ``architectures``), else None."""
+    cfg = getattr(model, "config", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    return to_dict() if callable(to_dict) else None
 
 
 def _tie_hf(model: nn.Module) -> None:
@@ -364,7 +373,8 @@ def _slices(found, names, shard_fn, path) -> dict[str, tuple[Any, Any, tuple[int
 
 def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.device = "cpu",
               strict: bool = True, assign: bool = True, verify: bool = False, init_fn: InitFn | None = None,
-              derive_usages: bool = False, report: str | os.PathLike | None = None, shard_fn=None):
+              derive_usages: bool = False, report: str | os.PathLike | None = None, shard_fn=None,
+              fused: str | Sequence[Sequence[str]] | None = "auto"):
     """Fill ``model`` (built on ``meta`` or anywhere) from the checkpoint at ``path``, on ``device``.
 
     ``path``: any layout te-serial reads — a te-serial checkpoint, a plain or sharded Hugging
@@ -404,8 +414,12 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
     to the format's blocks): only that range's bytes are read (``Checkpoint.get(name, rows=,
     cols=)``, equal to ``slice_quantized`` of the whole), and the model's tensor has the slice's
     shape. Sliced tensors come from a te-serial checkpoint in the model's format.
+
+    ``fused``: weights quantized on the way in with a tensor-wide scale share one amax per group
+    a serving engine fuses (q/k/v, gate/up, …), as :func:`quantize_model` does; see there.
     """
     from .conversion.core import convert_tensor, tensor_plan
+    from .conversion.fused_scales import share_fused_amax
     from .conversion.report import DROPPED, ConversionReport, TensorReport
     from .conversion.sources import open_source
     from .conversion.transforms import Step
@@ -451,6 +465,11 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
                 raise CheckpointError(text, file=str(path))
             warnings.warn(f"te-serial: {text}; taking the checkpoint's tensors as saved", stacklevel=2)
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
+        if device.type != "meta":  # quantized on the way in: one amax per fused group (reads its members)
+            groups = fusion.groups_for(fusion.architecture_of(_hf_config(model) or source.config), fused)
+            changed, notes = share_fused_amax(source.load, steps, groups, reexpress=False)
+            steps.update(changed)
+            rep.notes.extend(notes)
         reports: dict[str, Any] = {}
         loaded: dict[str, Any] = {}
 
@@ -551,7 +570,7 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequence[str] = ("*",),
                    exclude: Sequence[str] | None = None, module_types: tuple[type, ...] = (nn.Linear,),
-                   columnwise: bool | None = None) -> nn.Module:
+                   columnwise: bool | None = None, fused: str | Sequence[Sequence[str]] | None = "auto") -> nn.Module:
     """Replace the weights of matching modules by quantized parameters, in place; returns the model.
 
     Modules are chosen by type (``nn.Linear`` by default) and by glob patterns on their qualified
@@ -564,11 +583,17 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
     Weights whose shape the recipe cannot hold are left alone with a warning. A Hugging Face model
     is tied first (``tie_weights()``, which accelerate's ``init_empty_weights`` leaves undone), and
     its ``save_pretrained`` then points to ``te_serial.save_quantized``.
+
+    ``fused``: with a recipe whose scale is tensor-wide (per-tensor FP8 current scaling, NVFP4's
+    global scale), the modules a serving engine fuses into one GEMM (q/k/v, gate/up, …:
+    :mod:`te_serial.fusion`, by the model's ``config.architectures``) are quantized with one shared
+    amax, so the engine's one scale is every member's; ``"off"`` quantizes each on its own, or give
+    your own groups of module names.
     """
     col = torch.is_grad_enabled() if columnwise is None else columnwise
     q = recipe if isinstance(recipe, Quantizer) else recipe_quantizer(recipe, rowwise=True, columnwise=col)
     _tie_hf(model)
-    done: dict[int, nn.Parameter] = {}
+    chosen: dict[str, tuple[nn.Module, nn.Parameter]] = {}
     for mname, module in model.named_modules():
         if not isinstance(module, module_types) or not _matches(mname, include):
             continue
@@ -580,6 +605,10 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
                 continue
         elif _matches(mname, exclude):
             continue
+        chosen[mname] = (module, w)
+    shared = _shared_amax(model, q, {m: w for m, (_, w) in chosen.items()}, fused)
+    done: dict[int, nn.Parameter] = {}
+    for mname, (module, w) in chosen.items():
         if id(w) in done:  # tied with a weight already quantized
             module._parameters["weight"] = done[id(w)]
             continue
@@ -591,11 +620,33 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
         if w.device.type == "meta":
             qt = TensorProto(tuple(w.shape), w.dtype, q, w.requires_grad, w.device).create_tensor()
         else:
-            qt = q.quantize(w.detach())
+            qt = q.quantize(w.detach(), tensor_amax=shared.get(mname))
         done[id(w)] = module._parameters["weight"] = nn.Parameter(qt, requires_grad=w.requires_grad)
     if done:
         _guard_save_pretrained(model)
     return model
+
+
+def _shared_amax(model: nn.Module, q: Quantizer, weights: dict[str, torch.Tensor],
+                 rule: str | Sequence[Sequence[str]] | None) -> dict[str, torch.Tensor]:
+    """Module name → its fused group's amax (the members' largest), for a quantizer whose scale is
+    tensor-wide; members the recipe cannot hold, and meta weights, take no part."""
+    groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), rule)
+    if not groups or not q.takes_tensor_amax():
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for members in fusion.fused_groups(weights, groups, suffix=""):
+        ws = [weights[m] for m in members]
+        if any(w.device.type == "meta" for w in ws) or len({id(w) for w in ws}) != len(ws):
+            continue
+        try:
+            for w in ws:
+                q.check_shape(tuple(w.shape))
+        except ShapeError:
+            continue
+        amax = torch.stack([nx.nan_ignoring_amax(w.detach()).float().cpu() for w in ws]).amax()
+        out.update({m: amax for m in members})
+    return out
 
 
 def materialize(model: nn.Module, device: str | torch.device, *, init_fn: InitFn | None = None) -> nn.Module:

@@ -27,9 +27,11 @@ from ..checkpoint.writer import CheckpointWriter, parse_size
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
 from ..formats.base import QuantizedTensorStorage
+from ..fusion import architecture_of, fused_groups, groups_for
 from ..proto import TensorProto
+from .fused_scales import share_fused_amax
 from .layouts import FAMILIES as LAYOUTS
-from .layouts.base import codes_check, module_of
+from .layouts.base import codes_check, module_of, prefix
 from .layouts.common import SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .pipeline import run_pipeline
@@ -59,6 +61,8 @@ class ExportSpec:
     activation_amax: Mapping[str, float]
     note: str = ""
     dropped: tuple[str, ...] = ()       # TE module-state tensors left out of the export
+    fused: tuple[tuple[str, ...], ...] = ()   # weights an engine fuses (te_serial.fusion), which share scales
+    fused_enforced: bool = True         # False (fused="off"): unequal shared scales are reported, not refused
 
     @property
     def layout(self):
@@ -278,11 +282,12 @@ def _parse_amax(activation_amax) -> dict[str, float]:
 
 
 def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dtype: torch.dtype | str = torch.bfloat16,
-                    usages=None, activations: str | None = "auto",
-                    activation_amax=None) -> tuple[str, ExportSpec | None, list[TensorPlan]]:
+                    usages=None, activations: str | None = "auto", activation_amax=None,
+                    fused: str | Sequence[Sequence[str]] | None = "auto"
+                    ) -> tuple[str, ExportSpec | None, list[TensorPlan]]:
     """(output family, the serving export's :class:`ExportSpec` (None for te-serial and plain
-    outputs), per-tensor plans) — no data is read. ``activations`` / ``activation_amax``: see
-    :func:`convert`."""
+    outputs), per-tensor plans) — no data is read. ``activations`` / ``activation_amax`` /
+    ``fused``: see :func:`convert`."""
     if isinstance(rules, (str, os.PathLike)):
         rules = load_rules(rules)
     r = Rules(rules, recipe)
@@ -317,9 +322,17 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
             with_amax = sum(m in acts for m in quantized)
             modes[s], note = LAYOUTS[family].resolve_mode(s, mode, with_amax, len(quantized))
             notes.append(note if len(schemes) == 1 else f"{LAYOUTS[family].layout_name(s)} layers: {note}")
+        # fused weights share their input: one static input scale, the largest (as engines take it)
+        groups = fused_groups(scheme_of, groups_for(architecture_of(source.config),
+                                                    "auto" if fused in (None, "off") else fused))
+        for members in groups:
+            given = [acts[module_of(m)] for m in members if module_of(m) in acts]
+            if len(given) == len(members):
+                acts.update({module_of(m): max(given) for m in members})
         spec = ExportSpec(family, scheme_of, modes,
                           {module_of(n): acts[module_of(n)] for n in scheme_of if module_of(n) in acts},
-                          "; ".join(notes), tuple(sorted(module_state)))
+                          "; ".join(notes), tuple(sorted(module_state)), tuple(groups),
+                          fused not in (None, "off"))
     plans: list[TensorPlan] = []
     by_name: dict[str, TensorPlan] = {}
     for name, st, step in steps:
@@ -365,6 +378,7 @@ class _Output:
         self.writer: CheckpointWriter | None = None
         self.files: ShardSet | None = None
         self.sidecar: dict[str, dict] = {}
+        self.shared: dict[str, dict[str, torch.Tensor]] = {}  # fused-group members: their one-per-group scales
         if family == "te":
             protos = {p.name: p.step.proto(p.src.shape) for p in plans if p.alias_of is None}
             protos = {p.name: protos[p.alias_of or p.name] for p in plans}
@@ -388,6 +402,9 @@ class _Output:
         if set(blobs) != {k for k, _, _ in plan.keys}:
             raise ConversionError(f"output buffers {sorted(blobs)} differ from the plan "
                                   f"{sorted(k for k, _, _ in plan.keys)}", tensor=plan.name)
+        if plan.export is not None and plan.name in plan.export.schemes:
+            keys = plan.export.layout.shared_scale_keys(plan.export.scheme_of(plan.name))
+            self.shared[plan.name] = {k: blobs[prefix(plan.name) + k].clone() for k in keys if prefix(plan.name) + k in blobs}
         for key, t in blobs.items():
             self.files.write(key, t)
 
@@ -510,7 +527,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
             report: str | os.PathLike | None = None, progress: ProgressFn | None = None,
             usages: str | None = None, overwrite: bool = False, activations: str | None = "auto",
             activation_amax: Mapping[str, float] | str | os.PathLike | None = None, stats: str = "full",
-            device: str | torch.device | None = None, grouped: str | None = None) -> ConversionReport:
+            device: str | torch.device | None = None, grouped: str | None = None,
+            fused: str | Sequence[Sequence[str]] | None = "auto") -> ConversionReport:
     """Convert the checkpoint at ``src`` into ``dst``, streaming, and report what happened per tensor.
 
     ``src``: any layout te-serial reads, auto-detected — te-serial (any recipe), plain
@@ -554,6 +572,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     converted by the recipe), ``"split"`` into Hugging Face's per-expert tensors
     ``<p>.experts.<i>.<proj>.weight``, or per-expert tensors are ``"merge"``-d into grouped ones;
     exact either way. Default: keep for te-serial outputs, split for Hugging Face and serving layouts.
+    ``fused``: the weights a serving engine fuses into one GEMM (q/k/v, gate/up, …: the table in
+    :mod:`te_serial.fusion`, by ``config.json``'s architecture) get one shared tensor scale where
+    the target's is tensor-wide (NVFP4's global scale, per-tensor FP8): quantized with the group's
+    largest amax, and into a serving layout a member copied exactly whose scale differs is
+    requantized with it (the report says per tensor). A serving export never holds a fused group
+    with unequal scales; ``"off"`` writes each weight's own and the report warns that engines will
+    serve wrong values; or give your own groups of module names (``[["wq", "wk", "wv"]]``).
     ``device``: where tensors are quantized (``"cuda"`` / ``"cpu"``; default CUDA when available);
     reading, converting and writing overlap (a three-stage pipeline) either way.
     """
@@ -573,7 +598,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
         if grouped != "keep":
             source = GroupedView(source, grouped)
         family, spec, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype, usages=usages,
-                                              activations=activations, activation_amax=activation_amax)
+                                              activations=activations, activation_amax=activation_amax, fused=fused)
         single = dst_path.suffix == ".safetensors"
         if single and spec is not None:
             raise ConversionError(f"{spec.name} is a model directory (config.json + safetensors); "
@@ -584,6 +609,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                                stats=stats, device=str(dev))
         if spec is not None:
             rep.notes.append(spec.note)
+        rep.notes.extend(_share_fused_scales(source, plans, fused, spec))
         metadata = dict(source.metadata) if family == "te" else {}
         if family == "te":
             metadata["te_serial.converted_from"] = source.layout
@@ -634,6 +660,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                                                       f"tied to {plan.alias_of}")
             if progress is not None:
                 progress(total, total, "")
+            if spec is not None:
+                rep.notes.extend(_check_fused_scales(spec, out.shared))
             dropped = {name: (source.file(source._where[name]).entries[name].shape, "activation scale", reason,
                               nbytes) for name, (reason, nbytes) in source.dropped.items()}
             for name in (spec.dropped if spec is not None else ()):
@@ -667,6 +695,41 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     if report is not None:
         rep.save(report)
     return rep
+
+
+def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None) -> list[str]:
+    """Give each fused group one tensor amax (:mod:`.fused_scales`), rewriting its members' steps;
+    the report's notes. Reads each member once before the conversion proper."""
+    groups = groups_for(architecture_of(source.config), fused)
+    if not groups:
+        return []
+    by_name = {p.name: p for p in plans if p.alias_of is None and p.step is not None}
+    changed, notes = share_fused_amax(lambda n: _guarded(source, by_name[n], lambda: source.load(n)),
+                                      {n: p.step for n, p in by_name.items()}, groups, reexpress=spec is not None)
+    for name, step in changed.items():
+        by_name[name].step = step
+    return notes
+
+
+def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torch.Tensor]]) -> list[str]:
+    """Refuse (or with ``fused="off"`` warn about) a fused group written with unequal tensor scales:
+    an engine applies one to the fused weight, so every member but one would be served wrong."""
+    notes = []
+    for members in spec.fused:
+        for key in sorted({k for m in members for k in shared.get(m, {})}):
+            vals = [shared.get(m, {}).get(key) for m in members]
+            if any(v is None for v in vals):
+                continue
+            if len({bytes(v.reshape(-1).contiguous().view(torch.uint8).numpy()) for v in vals}) == 1:
+                continue
+            said = ", ".join(f"{prefix(m)}{key} = {float(v.reshape(-1)[0]):.6g}" for m, v in zip(members, vals))
+            text = (f"fused group {', '.join(module_of(m) for m in members)} has unequal {key} ({said}): serving "
+                    "engines fuse these into one GEMM with one scale, so they will serve wrong values")
+            if spec.fused_enforced:
+                raise ConversionError(text + "; the members were quantized in different formats or their scales "
+                                      "could not be shared", tensor=members[0])
+            notes.append("WARNING: " + text + " (fused='off')")
+    return notes
 
 
 def _output_bytes(plan: TensorPlan) -> int:

@@ -347,8 +347,9 @@ class SafetensorsSource(Source):
         if hfq is not None or method == "modelopt":
             body = (hfq or {}).get("quantization") if hfq is not None else qc
             algo = body.get("quant_algo") if isinstance(body, dict) else None
-            self.modelopt_algo = algo if isinstance(algo, str) else ""
-            layers = body.get("quantized_layers") if isinstance(body, dict) and algo == "MIXED_PRECISION" else None
+            self.modelopt_algo = algo.upper() if isinstance(algo, str) else ""  # ModelOpt writes fp8_pb_wo lowercase
+            layers = body.get("quantized_layers") if isinstance(body, dict) and self.modelopt_algo == "MIXED_PRECISION" \
+                else None
             self.modelopt_layers = layers if isinstance(layers, dict) else None
             return "modelopt"
         if method == "fp8":

@@ -305,6 +305,7 @@ class Step:
     builder: str = "exact"          # exact | quantize | per_channel | channel_or_requant | cast | keep
     note: str = ""
     data_dependent: bool = False    # out_q is finalized from the data (delayed scaling)
+    tensor_amax: float | None = None  # quantize with this amax (a fused group's shared one: fused_scales)
 
     def proto(self, shape) -> TensorProto:
         return TensorProto(shape, self.out_dtype, self.out_q)
@@ -467,7 +468,7 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
             q = q.settle(x)
             step = dataclasses.replace(step, out_q=q)
         try:
-            return q.quantize(_quantize_input(x, q), fake_dtype=step.out_dtype), step
+            return q.quantize(_quantize_input(x, q), fake_dtype=step.out_dtype, tensor_amax=step.tensor_amax), step
         except ShapeError as e:
             raise ConversionError(str(e)) from None
     # exact (possibly with some usages requantized)
@@ -481,7 +482,7 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
         step = dataclasses.replace(step, out_q=q)
     if step.requant:
         qq = q.set_usage(rowwise=ROW in step.requant, columnwise=COL in step.requant)
-        part = qq.quantize(_quantize_input(x_fn(), qq), fake_dtype=step.out_dtype)
+        part = qq.quantize(_quantize_input(x_fn(), qq), fake_dtype=step.out_dtype, tensor_amax=step.tensor_amax)
         out.update(part.buffers())
     q.check_buffers(shape, out, where="converted tensor")
     return q.tensor_class(shape, step.out_dtype, q, **out), step

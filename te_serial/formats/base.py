@@ -361,6 +361,17 @@ class Quantizer:
         tensor-wide factor in their own layout's convention from it. None: no second level."""
         return None
 
+    def takes_tensor_amax(self) -> bool:
+        """Whether one tensor-wide amax sets this format's scale (per-tensor FP8 current scaling,
+        NVFP4's global scale). ``quantize(x, tensor_amax=a)`` then quantizes with ``a`` in place of
+        max|x|: tensors a serving engine fuses into one GEMM share one scale that way."""
+        return False
+
+    def recorded_tensor_amax(self, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The tensor amax a quantized tensor was made with, where its buffers record it (NVFP4's
+        rowwise amax), as a 0-d fp32 tensor; None where they do not."""
+        return None
+
     def deterministic(self) -> "Quantizer":
         """This quantizer in a mode ``quantize`` reproduces (NVFP4: rounding to nearest)."""
         return self
@@ -590,20 +601,23 @@ class Quantizer:
                 else:
                     out[name][g0:g0 + gr, :gc] = part
 
-    def _quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The buffers of ``x``: compiled over the whole tensor where ``fused`` says so, else eager
-        over chunks of whole 128-row groups (cache-sized intermediates) into preallocated buffers."""
+        over chunks of whole 128-row groups (cache-sized intermediates) into preallocated buffers.
+        ``tensor_amax``: the amax to scale with in place of max|x| (:meth:`takes_tensor_amax`)."""
         shape = tuple(x.shape)
         m, k = flatten_2d(shape)
         specs = self.describe_buffers(shape)
         x2 = x.reshape(m, k)
         args = self._kernel_args(x.device)
+        if tensor_amax is not None:
+            args[fused.TENSOR_AMAX] = tensor_amax
         ahead = fused.nan_free_amaxes(x2, self.amax_block()) if fused.wants_fused(x.numel(), x.device,
                                                                                    self.fusable()) else None
         if ahead is not None:
-            # detach: no view of x, whose strides would be guarded
+            # detach: no view of x, whose strides would be guarded; a given amax stands
             got = fused.run(_quantize_whole, ("quantize", self.kind, x.device.type, x.dtype),
-                            self, _blocked(x2.detach(), self.slice_alignment()), {**args, **ahead})
+                            self, _blocked(x2.detach(), self.slice_alignment()), {**ahead, **args})
             if got is not None:  # FP8 data comes back typed (fast stores): the same bytes, viewed
                 return {n: got[n].view(specs[n].dtype).reshape(specs[n].shape) for n in specs}
         out = {}
@@ -646,9 +660,12 @@ class Quantizer:
         return self._dequantize(dict(buffers), shape).to(dtype)
 
     def quantize(self, x: torch.Tensor, *, fake_dtype: torch.dtype | None = None,
-                 internal: bool = False, eager: bool | None = None) -> "QuantizedTensorStorage":
+                 internal: bool = False, eager: bool | None = None,
+                 tensor_amax: float | torch.Tensor | None = None) -> "QuantizedTensorStorage":
         """Quantize ``x`` with TE's numerics; a wrapper tensor (or bare storage if ``internal``).
-        Compiled where ``formats/fused.py``'s policy says so; ``eager=True`` forces the eager path."""
+        Compiled where ``formats/fused.py``'s policy says so; ``eager=True`` forces the eager path.
+        ``tensor_amax`` (formats whose :meth:`takes_tensor_amax`): scale with this amax, at least
+        max|x| (a fused group's shared one), in place of max|x|."""
         if isinstance(x, QuantizedTensorStorage):
             x = x.dequantize(eager=eager)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -656,8 +673,16 @@ class Quantizer:
                               f"got {getattr(x, 'dtype', type(x))}")
         shape = tuple(x.shape)
         self.check_shape(shape)
+        given = None
+        if tensor_amax is not None:
+            if not self.takes_tensor_amax():
+                raise FormatError(f"{type(self).__name__} ({self.layout_name()}) has no tensor-wide amax to "
+                                  "share: tensor_amax= applies to per-tensor FP8 current scaling and NVFP4")
+            given = torch.as_tensor(tensor_amax, dtype=torch.float32).reshape(()).to(x.device)
+            if not float(given) >= 0:  # NaN or negative; an infinite amax is TE's too (an inf in the group)
+                raise FormatError(f"tensor_amax must be >= 0, got {float(given)}")
         with fused.policy("eager") if eager else contextlib.nullcontext():
-            buffers = self._quantize(x.detach())
+            buffers = self._quantize(x.detach(), given)
         cls = self.storage_class if internal else self.tensor_class
         return cls(shape, fake_dtype or x.dtype, self, **buffers)
 

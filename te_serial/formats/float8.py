@@ -134,6 +134,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
         require_fp8_dtype(self)
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
+    def takes_tensor_amax(self) -> bool:
+        return True
+
     def _scale(self, x2, args=None):
         return nx.scale_from_amax(self._tensor_amax(x2, args), nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,

@@ -290,7 +290,7 @@ class GroupedQuantizer(Quantizer):
             return torch.cat(list(parts), dim=1)
         return torch.cat([p.reshape(-1) for p in parts]).reshape(self._shape)
 
-    def _quantize(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         parts = self.split_values(x)
         if self.member is None:
             members = [{_PLAIN: p.to(self.dtype)} for p in parts]

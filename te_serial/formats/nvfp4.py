@@ -396,7 +396,7 @@ class NVFP4Quantizer(Quantizer):
         out = (xt.reshape(-1, BLOCK).double() @ h).float().to(torch.bfloat16)
         return out.reshape(xt.shape)
 
-    def _quantize(self, x):
+    def _quantize(self, x, tensor_amax=None):
         if self.with_rht and self.columnwise and (x.dtype != torch.bfloat16 or not self.with_post_rht_amax):
             raise QuantizationError(
                 "NVFP4 with_rht needs bfloat16 input and with_post_rht_amax=True, as in TE "
@@ -405,7 +405,18 @@ class NVFP4Quantizer(Quantizer):
             raise QuantizationError(
                 "NVFP4Quantizer(stochastic_rounding=True) is not reproducible (TE draws Philox "
                 "random bits in-kernel); quantize with stochastic_rounding=False")
-        return super()._quantize(x)
+        return super()._quantize(x, tensor_amax)
+
+    def takes_tensor_amax(self) -> bool:
+        return not self.row_scaled_nvfp4  # row-scaled: one amax per row, nothing tensor-wide to share
+
+    def recorded_tensor_amax(self, buffers):
+        if self.row_scaled_nvfp4:
+            return None
+        if self.rowwise:
+            return buffers["_amax_rowwise"].reshape(()).float()
+        # the columnwise amax is the tensor's own, unless taken after the Hadamard transform
+        return None if self.with_rht else buffers["_amax_columnwise"].reshape(()).float()
 
     def fusable(self) -> bool:
         # the RHT's float64 sums and their double rounding (fp64 → fp32 → bf16) stay eager

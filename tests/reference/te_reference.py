@@ -440,15 +440,17 @@ def ref_float8_current(
     columnwise: bool = True,
     force_pow_2_scales: bool = False,
     amax_epsilon: float = 0.0,
+    amax: Optional[float] = None,
 ) -> Dict[str, torch.Tensor]:
     """Float8CurrentScalingQuantizer: amax -> compute_scale_from_amax (inf -> FLT_MAX) -> cast.
+    ``amax``: the value in the quantizer's amax buffer in place of max|x| (a shared one).
 
     Buffers: ``_data`` (S) if rowwise, ``_transpose`` (S[-1], *S[:-1]) if columnwise (the
     Hopper/Ada/SM12x layout; on SM10x TE keeps only ``_data``), ``_scale_inv`` (1,) float32.
     """
     fmt = _fmt(fp8_dtype)
     x2, shape, M, K = _flatten_2d(x)
-    amax = amax_ignore_nan(x2)
+    amax = amax_ignore_nan(x2) if amax is None else _f32(amax)
     scale = compute_scale_from_amax(
         amax,
         _FP8_FORMATS[fmt]["max"],
@@ -726,8 +728,13 @@ def ref_nvfp4(
     with_random_sign_mask: bool = True,
     with_post_rht_amax: bool = False,
     columnwise_data_2d: bool = False,
+    global_amax: Optional[float] = None,
 ) -> Dict[str, torch.Tensor]:
     """NVFP4Quantizer (no stochastic rounding, no row-scaling, no 4over6; E4M3_MAX = 448).
+
+    ``global_amax``: the amax the global encode scale is computed from in place of max|x| (TE
+    takes it from the quantizer's amax buffer, which an amax kernel fills before the cast: the
+    buffer may hold a fused group's shared amax). Without RHT both usages use it.
 
     Buffers: ``_rowwise_data`` (*S[:-1], K/2), ``_rowwise_scale_inv`` (roundup(M,128),
     roundup(K/16,4)) E4M3 bytes, ``_columnwise_data`` per TE Python inner_tensor_specs:
@@ -751,7 +758,7 @@ def ref_nvfp4(
         if with_2d_quantization:
             raise NotImplementedError("RHT together with 2D quantization is not modelled")
 
-    amax_row = amax_ignore_nan(x2)
+    amax_row = amax_ignore_nan(x2) if global_amax is None else _f32(global_amax)
     a = torch.where(torch.isnan(x2), torch.zeros_like(x2), x2.abs())
     out: Dict[str, torch.Tensor] = {}
 

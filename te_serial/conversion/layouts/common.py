@@ -104,6 +104,13 @@ class ExternalLayout:
     def export_act(self, name: str, scheme: str, amax: float) -> dict[str, torch.Tensor]:
         return {}
 
+    #: scheme → the key suffixes (after ``<module>.``) of the tensor-wide scales an engine applies once
+    #: to a fused group (q/k/v, gate/up): they must be equal across the group's members
+    shared_scales: dict[str, tuple[str, ...]] = {}
+
+    def shared_scale_keys(self, scheme: str) -> tuple[str, ...]:
+        return self.shared_scales.get(scheme, ())
+
     def reader(self, scheme: str, blobs: Mapping[str, torch.Tensor], name: str) -> Callable | None:
         """For two-level schemes: the layout reader's value of (codes, block scale bytes), given
         this weight's exported tensors (see :func:`~.base.codes_check`); None otherwise."""

@@ -50,6 +50,8 @@ def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=Non
 class CompressedTensors(ExternalLayout):
     family = "ct"
     mixed_name = "compressed_tensors_mixed"
+    shared_scales = {"nvfp4": ("weight_global_scale", "input_global_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
+                     "fp8_channel": ("input_scale",), "mxfp8": ()}
     modes = {
         "nvfp4": {"weight_only": "NVFP4A16", "static": "NVFP4 (W4A4)"},
         "mxfp8": {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"},

@@ -12,12 +12,15 @@ Per quantized linear ``<m>`` (``hf_quant_config.json`` ``quant_algo``):
   exponents); activations are MXFP8-quantized at run time.
 * ``FP8``: ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 scalar (value = fp8 · scale),
   ``<m>.input_scale`` F32 scalar = activation amax / 448 (static, required).
-* ``FP8_PB_WO``: ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 ``[⌈N/128⌉, ⌈K/128⌉]``, weight
-  only.
+* ``FP8_PB_WO`` (written ``fp8_pb_wo``, lowercase, as ModelOpt 0.47 does; read in either case):
+  ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 ``[⌈N/128⌉, 1, ⌈K/128⌉, 1]`` (vLLM registers
+  that 4-D shape; a 2-D ``[⌈N/128⌉, ⌈K/128⌉]`` is read too), weight only.
 
 ``hf_quant_config.json`` = ``{"producer": …, "quantization": {"quant_algo", "kv_cache_quant_algo",
-"group_size", "exclude_modules"}}``; ``config.json`` carries the same as ``quantization_config``
-with ``quant_method: "modelopt"``.
+"group_size", "exclude_modules"}}``. ``config.json``'s ``quantization_config`` is ModelOpt's flat
+form (``convert_hf_quant_config_format``): ``config_groups`` (compressed-tensors style, for FP8,
+NVFP4, W4A16_NVFP4 and mixed exports), ``ignore`` (the excluded modules: SGLang reads only this
+key there), ``quant_algo``, ``producer`` and ``quant_method: "modelopt"``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 _NAMES = {"nvfp4": "modelopt_nvfp4", "mxfp8": "modelopt_mxfp8", "fp8_tensor": "modelopt_fp8",
           "fp8_block": "modelopt_fp8_pb_wo"}
 _ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8", "FP8": "fp8_tensor", "FP8_PB_WO": "fp8_block"}
+_BLOCK = 128
 _GROUP = {"nvfp4": 16, "mxfp8": 32}
 _E4M3_MAX = 448.0
 
@@ -75,9 +79,11 @@ class ModelOpt(ExternalLayout):
     modes = {"nvfp4": {"weight_only": "W4A16_NVFP4", "static": "NVFP4"},
              "mxfp8": {"dynamic": "MXFP8"},
              "fp8_tensor": {"static": "FP8"},
-             "fp8_block": {"weight_only": "FP8_PB_WO"}}
+             "fp8_block": {"weight_only": "fp8_pb_wo"}}
     extra_file_names = (HF_QUANT_CONFIG,)
     mixed_name = "modelopt_mixed"
+    shared_scales = {"nvfp4": ("weight_scale_2", "input_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
+                     "mxfp8": ("input_scale",), "fp8_block": ("input_scale",)}
 
     def layout_name(self, scheme):
         return _NAMES.get(scheme, "modelopt")
@@ -93,7 +99,7 @@ class ModelOpt(ExternalLayout):
             return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
         if scheme == "fp8_tensor":
             return [(name, (n, k), E4M3), (p + "weight_scale", (), F32)]
-        return [(name, (n, k), E4M3), (p + "weight_scale", (nx.ceil_div(n, 128), nx.ceil_div(k, 128)), F32)]
+        return [(name, (n, k), E4M3), (p + "weight_scale", _block_scale_shape(n, k), F32)]
 
     def act_keys(self, name, scheme):
         return [(prefix(name) + "input_scale", (), F32)]
@@ -103,7 +109,8 @@ class ModelOpt(ExternalLayout):
             require_nvfp4_global_scale(name, t, self.layout_name(scheme))
         parts = split(t, scheme)
         p = prefix(name)
-        out = {name: parts.data, p + "weight_scale": parts.scale}
+        scale = parts.scale.reshape(_block_scale_shape(*t.logical_shape)) if scheme == "fp8_block" else parts.scale
+        out = {name: parts.data, p + "weight_scale": scale}
         if scheme == "nvfp4":
             out[p + "weight_scale_2"] = (parts.amax.to(F32) / torch.tensor(parts.divisor, dtype=F32)).reshape(())
         return out
@@ -140,8 +147,24 @@ class ModelOpt(ExternalLayout):
         return self.mixed_config([(scheme, mode, [])], ignored)
 
     def mixed_config(self, groups, ignored):
-        return {"quant_method": "modelopt", **self._body(groups, ignored),
-                "producer": {"name": "te-serial", "version": __version__}}
+        """``config.json``'s flat form of :meth:`_body`, as ModelOpt converts it: compressed-tensors
+        style ``config_groups`` where ModelOpt writes them, ``ignore`` for the excluded modules."""
+        body = self._body(groups, ignored)
+        out: dict = {}
+        if body["quant_algo"] == "MIXED_PRECISION":
+            by_algo: dict[tuple, list[str]] = {}
+            for layer, spec in body["quantized_layers"].items():
+                by_algo.setdefault(tuple(sorted(spec.items())), []).append(layer)
+            out["config_groups"] = {
+                f"group_{i}": {**_group_args(dict(key)["quant_algo"], dict(key).get("group_size"), True),
+                               "targets": sorted(layers)} for i, (key, layers) in enumerate(by_algo.items())}
+            out["quantized_layers"] = body["quantized_layers"]
+        else:
+            args = _group_args(body["quant_algo"], body.get("group_size"), False)
+            if args is not None:
+                out["config_groups"] = {"group_0": {**args, "targets": ["Linear"]}}
+        return {**out, "ignore": body["exclude_modules"], "quant_algo": body["quant_algo"],
+                "producer": {"name": "te-serial", "version": __version__}, "quant_method": "modelopt"}
 
     def extra_files(self, groups, ignored):
         return {HF_QUANT_CONFIG: {"producer": {"name": "te-serial", "version": __version__},
@@ -149,14 +172,14 @@ class ModelOpt(ExternalLayout):
 
     # --- import -------------------------------------------------------------------------------------
     def claim(self, src: "SafetensorsSource") -> None:
-        algo = src.modelopt_algo  # None: no config file said (the tensors' names and dtypes do)
+        algo = src.modelopt_algo  # None: no config file said (the tensors' names and dtypes do); upper case
         if algo is not None and algo not in _ALGOS and algo != "MIXED_PRECISION":
             raise UnknownLayoutError(f"ModelOpt quant_algo {algo!r} is not read (te-serial reads "
                                      f"{', '.join(_ALGOS)} and MIXED_PRECISION of them)", file=src.config_file,
                                      field="quant_algo")
         for layer, spec in (src.modelopt_layers or {}).items():
             a = spec.get("quant_algo") if isinstance(spec, dict) else None
-            if a not in _ALGOS:
+            if not isinstance(a, str) or a.upper() not in _ALGOS:
                 raise UnknownLayoutError(f"ModelOpt quant_algo {a!r} of layer {layer!r} is not read (te-serial reads "
                                          f"{', '.join(_ALGOS)})", file=src.config_file,
                                          field=f"quantized_layers.{layer}.quant_algo")
@@ -190,11 +213,11 @@ class ModelOpt(ExternalLayout):
                 keys["scheme"], shape = "mxfp8", tuple(ws)
             elif wd == E4M3 and sd == F32 and math.prod(ss) == 1:
                 keys["scheme"], shape = "fp8_tensor", tuple(ws)
-            elif wd == E4M3 and sd == F32 and len(ws) == 2 and ss == (nx.ceil_div(ws[0], 128), nx.ceil_div(ws[1], 128)):
+            elif wd == E4M3 and sd == F32 and len(ws) == 2 and ss in (_block_scale_shape(*ws), _block_grid(*ws)):
                 keys["scheme"], shape = "fp8_block", tuple(ws)
             else:
                 src._fail(f"ModelOpt weight {w!r} is {wd}{list(ws)} with weight_scale {sd}{list(ss)}: not NVFP4, "
-                          "MXFP8, FP8 or FP8_PB_WO as ModelOpt writes them", k)
+                          "MXFP8, FP8 or FP8_PB_WO ([N/128, 1, K/128, 1] or [N/128, K/128]) as ModelOpt writes them", k)
             src.add_quantized(w, shape, keys, nbytes, self)
             inp = p + "input_scale"
             if inp in keyset:
@@ -212,11 +235,44 @@ class ModelOpt(ExternalLayout):
             amax = sidecar_amax(src.sidecar.get(st.name))
             if amax is None or not torch.equal(fwd(amax).view(torch.int32), ws2.view(torch.int32)):
                 amax, _ = solve_amax(ws2, fwd, ws2 * div)
+        if scheme == "fp8_block":  # 4-D [N/128, 1, K/128, 1] as ModelOpt writes it, or 2-D
+            scale = scale.reshape(_block_grid(*st.shape))
         t = self.finish_load(src, st, data, scale, amax)
         if scheme == "nvfp4":
             src.import_checks[st.name] = codes_check(t, self.reader(scheme, {prefix(st.name) + "weight_scale_2":
                                                                              src._read(keys["glob"])}, st.name))
         return t
+
+
+def _block_grid(n: int, k: int) -> tuple[int, int]:
+    return nx.ceil_div(n, _BLOCK), nx.ceil_div(k, _BLOCK)
+
+
+def _block_scale_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """FP8_PB_WO's weight_scale shape: ModelOpt keeps each 128×128 block's amax with the block
+    dims as ones, ``[⌈N/128⌉, 1, ⌈K/128⌉, 1]``."""
+    rows, cols = _block_grid(n, k)
+    return rows, 1, cols, 1
+
+
+def _group_args(algo: str, group_size: int | None, mixed: bool) -> dict | None:
+    """The compressed-tensors style arguments of one ``quant_algo`` in ModelOpt's flat config
+    (``convert_hf_quant_config_format``); None where it writes no config group (a whole MXFP8 or
+    FP8_PB_WO export)."""
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size or 16}
+    if algo == "FP8":
+        return {"input_activations": dict(fp8), "weights": dict(fp8)}
+    if algo == "NVFP4":
+        return {"input_activations": dict(fp4), "weights": dict(fp4)}
+    if algo == "W4A16_NVFP4":
+        return {"weights": fp4}
+    if not mixed:
+        return None
+    if algo == "MXFP8":
+        mx = {**fp8, "group_size": group_size or 32}
+        return {"input_activations": dict(mx), "weights": dict(mx)}
+    return {"quant_algo": algo}  # a layer config ModelOpt has no group arguments for
 
 
 def read_hf_quant_config(path) -> dict | None:

@@ -1,0 +1,234 @@
+"""Fused groups share one tensor scale (te_serial.fusion, conversion/fused_scales.py).
+
+Serving engines fuse q/k/v and gate/up into one GEMM and apply ONE tensor-wide scale (NVFP4's
+global scale, per-tensor FP8's scale): members quantized with their own amax are served wrong.
+Here: ``quantize(x, tensor_amax=a)`` against the independent oracle written from TE's formulas,
+the fusion table, ``quantize_model`` / ``load_into`` / ``convert`` giving each group one amax,
+re-expressing a TE checkpoint's unequal members on export (honestly labelled), and the guard
+that never writes a fused group with unequal scales."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import te_serial as ts
+from te_serial import fusion
+from te_serial.conversion import convert
+from te_serial.errors import ConversionError, FormatError
+from te_serial.formats import fused
+from te_serial.recipes import recipe_quantizer
+from helpers import INPUT_KINDS, assert_same_buffers, make_input
+from reference.te_reference import amax_ignore_nan, ref_float8_current, ref_nvfp4
+
+transformers = pytest.importorskip("transformers")
+E4M3 = torch.float8_e4m3fn
+Q, K, V = (f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj"))
+GATE, UP = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+O_PROJ = "model.layers.0.self_attn.o_proj"
+LINEARS = [Q, K, V, O_PROJ, GATE, UP, "model.layers.0.mlp.down_proj"]
+
+
+# --- quantize(x, tensor_amax=) against the oracle ---------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["eager", "fused"])
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+def test_tensor_amax_gives_the_oracles_bytes(kind, policy):
+    """A given amax replaces max|x| in the global encode scale (NVFP4) and in the scale (per-tensor
+    FP8), exactly as TE computes them from its amax buffer; larger and equal amaxes, every input kind."""
+    x = make_input(kind, (64, 128), torch.bfloat16, seed=3)
+    own = float(amax_ignore_nan(x.float()))
+    for given in {own, own * 2.5 + 1e-3, 3.0e4}:
+        with fused.policy(policy):
+            nv = ts.NVFP4Quantizer().quantize(x, tensor_amax=given)
+            f8 = ts.Float8CurrentScalingQuantizer(E4M3).quantize(x, tensor_amax=given)
+        assert_same_buffers(nv.buffers(), ref_nvfp4(x, global_amax=given), f"nvfp4 {kind} amax={given}")
+        assert_same_buffers(f8.buffers(), ref_float8_current(x, E4M3, amax=given), f"fp8 {kind} amax={given}")
+
+
+def test_tensor_amax_equal_to_max_abs_changes_nothing():
+    x = make_input("random", (128, 256), torch.float32, seed=1)
+    for q in (ts.NVFP4Quantizer(with_2d_quantization=True), ts.Float8CurrentScalingQuantizer(E4M3)):
+        a, b = q(x), q.quantize(x, tensor_amax=x.abs().max())
+        assert_same_buffers(b.buffers(), a.buffers(), type(q).__name__)
+
+
+def test_tensor_amax_is_refused_where_the_format_has_none():
+    x = torch.randn(64, 64)
+    for q in (ts.MXFP8Quantizer(E4M3), ts.Float8BlockQuantizer(E4M3, block_scaling_dim=2),
+              ts.Float8Quantizer(1.0, 0.0, E4M3), ts.NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False)):
+        assert not q.takes_tensor_amax()
+        with pytest.raises(FormatError, match="no tensor-wide amax"):
+            q.quantize(x, tensor_amax=1.0)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(FormatError, match="tensor_amax"):
+            ts.NVFP4Quantizer().quantize(x, tensor_amax=bad)
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+def test_fused_groups_by_architecture_and_user_rule():
+    names = [f"{m}.weight" for m in LINEARS] + ["model.layers.1.self_attn.q_proj.weight",
+                                                "model.layers.1.self_attn.k_proj.weight"]
+    llama = fusion.groups_for("LlamaForCausalLM")
+    assert fusion.fused_groups(names, llama) == [(f"{Q}.weight", f"{K}.weight", f"{V}.weight"),
+                                                 (f"{GATE}.weight", f"{UP}.weight")]  # layer 1 lacks v_proj
+    moe = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(2) for w in ("w1", "w2", "w3")]
+    assert len(fusion.fused_groups(moe, fusion.groups_for("MixtralForCausalLM"))) == 2
+    assert fusion.fused_groups(moe, llama) == []
+    mla = ["model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+           "model.layers.0.self_attn.q_b_proj.weight"]
+    assert fusion.fused_groups(mla, fusion.groups_for("DeepseekV3ForCausalLM")) == [tuple(mla[:2])]
+    assert fusion.groups_for("SomethingNew") == fusion.ALL_GROUPS     # unknown: every known group applies
+    assert fusion.groups_for("LlamaForCausalLM", "off") == ()
+    own = fusion.groups_for(None, [["wq", "wk", "wv"]])
+    assert fusion.fused_groups(["a.wq.weight", "a.wk.weight", "a.wv.weight"], own) == [
+        ("a.wq.weight", "a.wk.weight", "a.wv.weight")]
+    for bad in ("sometimes", [["q_proj"]], [["a.b", "c"]], [["x", "x"]]):
+        with pytest.raises(ConversionError, match="fused"):
+            fusion.groups_for(None, bad)
+
+
+# --- quantize_model, load_into, convert -----------------------------------------------------------
+
+def _llama(path=None, seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    m = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # members of very different sizes: each one's own amax differs
+        m.get_submodule(K).weight.mul_(3.0)
+        m.get_submodule(V).weight.mul_(0.2)
+        m.get_submodule(UP).weight.mul_(5.0)
+    if path is not None:
+        m.save_pretrained(path)
+    return m
+
+
+def _tensor_scale(t):
+    b = t.buffers()
+    return b["_amax_rowwise"] if "_amax_rowwise" in b else b["_scale_inv"]
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_2d", "fp8_current"])
+def test_quantize_model_gives_each_fused_group_its_largest_amax(recipe):
+    m = ts.quantize_model(_llama(), recipe, columnwise=False)
+    ref = _llama()
+    w = {n: m.get_submodule(n).weight for n in LINEARS}
+    for group in ((Q, K, V), (GATE, UP)):
+        amax = max(float(ref.get_submodule(n).weight.detach().float().abs().max()) for n in group)
+        want = recipe_quantizer(recipe, columnwise=False).quantize(ref.get_submodule(group[0]).weight.detach(),
+                                                                     tensor_amax=amax)
+        assert len({float(_tensor_scale(w[n])) for n in group}) == 1
+        assert torch.equal(_tensor_scale(w[group[0]]), _tensor_scale(want))
+        assert_same_buffers(w[group[0]].buffers(), want.buffers(), group[0])
+    # o_proj is in no group: its own amax
+    own = recipe_quantizer(recipe, columnwise=False)(ref.get_submodule(O_PROJ).weight.detach())
+    assert_same_buffers(w[O_PROJ].buffers(), own.buffers(), O_PROJ)
+    off = ts.quantize_model(_llama(), recipe, columnwise=False, fused="off")
+    assert len({float(_tensor_scale(off.get_submodule(n).weight)) for n in (Q, K, V)}) == 3
+
+
+def test_block_scaled_recipes_are_unchanged_by_fusion():
+    m = ts.quantize_model(_llama(), "mxfp8", columnwise=False)
+    ref = _llama()
+    own = recipe_quantizer("mxfp8", columnwise=False)(ref.get_submodule(K).weight.detach())
+    assert_same_buffers(m.get_submodule(K).weight.buffers(), own.buffers(), K)
+
+
+def test_quantize_on_load_shares_like_quantize_model(tmp_path):
+    from accelerate import init_empty_weights
+    ref = ts.quantize_model(_llama(tmp_path / "hf"), "nvfp4", columnwise=False)
+    with init_empty_weights():
+        meta = transformers.LlamaForCausalLM(ref.config).to(torch.bfloat16)
+    ts.quantize_model(meta, "nvfp4", columnwise=False)
+    ts.load_into(meta, tmp_path / "hf")
+    for n in LINEARS:
+        assert_same_buffers(meta.get_submodule(n).weight.buffers(), ref.get_submodule(n).weight.buffers(), n)
+    assert any("shared amax" in note for note in meta.te_serial_report.notes)
+
+
+SHARED = {"modelopt_nvfp4": ("weight_scale_2", "input_scale"), "compressed_tensors_nvfp4": ("weight_global_scale",
+          "input_global_scale"), "modelopt_fp8": ("weight_scale", "input_scale"),
+          "compressed_tensors_fp8_tensor": ("weight_scale", "input_scale")}
+
+
+@pytest.mark.parametrize("layout", sorted(SHARED))
+def test_convert_from_bf16_writes_one_scale_per_fused_group(layout, tmp_path):
+    _llama(tmp_path / "hf")
+    # k_proj's input amax differs: one input scale for the group, the largest (as engines take it)
+    amax = {n: (7.0 if n == K else 4.0) for n in LINEARS}
+    rep = convert(tmp_path / "hf", tmp_path / "out", recipe=layout, activation_amax=amax)
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for group in ((Q, K, V), (GATE, UP)):
+        for key in SHARED[layout]:
+            vals = [sd[f"{n}.{key}"] for n in group]
+            assert all(torch.equal(v, vals[0]) for v in vals), (group, key)
+    assert not torch.equal(sd[f"{Q}.{SHARED[layout][0]}"], sd[f"{O_PROJ}.{SHARED[layout][0]}"])
+    assert any("shared amax" in n for n in rep.notes)
+
+
+def _te_checkpoint(path, recipe="nvfp4"):
+    m = _llama(path / "hf")
+    q = recipe_quantizer(recipe, columnwise=False)
+    sd = {n: (q(p.detach()) if n.endswith("proj.weight") else p.detach()) for n, p in m.state_dict().items()}
+    ts.save_quantized(sd, path / "te")
+    (path / "te" / "config.json").write_text(json.dumps(m.config.to_dict()))
+    return sd
+
+
+@pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"),
+                                           ("fp8_current", "modelopt_fp8"),
+                                           ("fp8_current", "compressed_tensors_fp8_tensor")])
+def test_te_checkpoint_with_unequal_members_is_reexpressed_on_export(recipe, layout, tmp_path):
+    """A TE-trained checkpoint's q/k/v carry their own scales: the export requantizes the members
+    whose scale is not the group's with the group's amax, labels them lossy with figures, and the
+    values written are those of that requantization; te-serial itself keeps its bytes."""
+    sd = _te_checkpoint(tmp_path, recipe)
+    rep = convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax={n: 4.0 for n in LINEARS})
+    by = {t.name: t for t in rep.tensors}
+    convert(tmp_path / "out", tmp_path / "back")
+    back = ts.load_quantized(tmp_path / "back")
+    for group in ((Q, K, V), (GATE, UP)):
+        src = {n: sd[f"{n}.weight"] for n in group}
+        vals = {n: src[n].dequantize(torch.float32) for n in group}
+        if recipe == "nvfp4":
+            amax = max(float(src[n].buffers()["_amax_rowwise"]) for n in group)
+        else:
+            amax = max(float(v.abs().max()) for v in vals.values())
+        for n in group:
+            r = by[f"{n}.weight"]
+            kept = recipe == "nvfp4" and float(src[n].buffers()["_amax_rowwise"]) == amax
+            if kept:  # the member whose amax is the group's: its bytes as they are
+                assert r.method == "copy" and r.label in ("lossless", "exact codes"), r
+                continue
+            assert r.method == "requantize" and r.label == "lossy", r
+            # FP8's largest member comes back bit-identical from its own values (and says so)
+            assert r.max_abs_err > 0 or "bit-identical" in r.note, r
+            assert "shared amax" in r.note
+            want = recipe_quantizer(recipe, columnwise=False).quantize(vals[n], tensor_amax=amax)
+            got = back[f"{n}.weight"]
+            assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32)), n
+    assert any("requantized to the group's shared amax" in note for note in rep.notes)
+
+
+def test_fused_off_warns_that_engines_serve_wrong_values(tmp_path):
+    _te_checkpoint(tmp_path)
+    rep = convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_nvfp4", fused="off")
+    warn = [n for n in rep.notes if n.startswith("WARNING")]
+    assert len(warn) == 2 and "will serve wrong values" in warn[0] and "weight_scale_2" in warn[0]
+    assert all(t.method == "copy" for t in rep.tensors if t.name.endswith("proj.weight"))
+
+
+def test_an_export_that_would_hold_unequal_scales_is_refused_and_writes_nothing(tmp_path, monkeypatch):
+    """The guard behind the sharing: if a group's scales come out unequal anyway, the export fails
+    before anything is committed."""
+    from te_serial.conversion import core
+    _te_checkpoint(tmp_path)
+    monkeypatch.setattr(core, "share_fused_amax", lambda *a, **k: ({}, []))
+    with pytest.raises(ConversionError, match="unequal weight_scale_2.*wrong values"):
+        convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_nvfp4")
+    assert not any((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
