@@ -211,6 +211,12 @@ def test_compressed_tensors_modelopt_converter_gives_our_ct_export(tmp_path):
     assert set(theirs) == set(ours)
     for k, v in ours.items():  # the converter keeps ModelOpt's 0-d scalars where llm-compressor writes [1]
         assert theirs[k].dtype == v.dtype and theirs[k].numel() == v.numel(), k
+        if k.endswith("input_global_scale"):
+            # the converter takes 1 / input_scale (two fp32 roundings); te-serial writes 2688 / amax
+            # rounded once, which every fp32 value is of some amax: so a producer's input scale
+            # survives import and re-export bit for bit (test_serving_contracts)
+            assert int(_ulps(theirs[k].reshape(-1), v.reshape(-1)).max()) <= 1, k
+            continue
         assert torch.equal(theirs[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
 
 

@@ -134,7 +134,8 @@ def _parse_usages(usages: str | Sequence[bool] | None) -> tuple[bool, bool] | No
     return r, c
 
 
-_CT_FMT = {"fp8_tensor": "ct_fp8_tensor", "fp8_channel": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "mxfp8": "ct_mxfp8"}
+_CT_FMT = {"fp8_tensor": "ct_fp8_tensor", "fp8_channel": "ct_fp8_channel", "fp8_block": "ct_fp8_block",
+           "nvfp4": "ct_nvfp4", "mxfp8": "ct_mxfp8"}
 
 
 def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None, name: str = "") -> str:
@@ -153,7 +154,7 @@ def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None, n
 
 
 def _src_fmt(st: SourceTensor) -> str:
-    if st.quantizer is None or st.fmt in ("deepseek_fp8", "ct_fp8_tensor", "ct_fp8_channel"):
+    if st.quantizer is None or st.fmt in ("deepseek_fp8", "ct_fp8_tensor", "ct_fp8_channel", "ct_fp8_block"):
         return st.fmt
     return f"{st.fmt}/{st.usages}"
 
@@ -685,6 +686,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
             out.abort()
             raise
         rep.tensors = [reports[p.name] for p in plans] + [reports[n] for n in dropped]
+        rep.notes.extend(_route_notes(rep.tensors))
         if source.tree is not None and family != "te":
             rep.notes.append("the te-serial checkpoint's non-tensor values (its tree) are not kept in safetensors")
         for name, note in source.notes.items():
@@ -730,6 +732,16 @@ def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torc
                                       "could not be shared", tensor=members[0])
             notes.append("WARNING: " + text + " (fused='off')")
     return notes
+
+
+def _route_notes(tensors: Sequence[TensorReport]) -> list[str]:
+    """One line per consumer route that reads some tensors with rounded scales: how many, how far."""
+    worst: dict[str, list[float]] = {}
+    for t in tensors:
+        for route, err in t.routes.items():
+            worst.setdefault(route, []).append(err)
+    return [f"NOT lossless through {route}: {len(errs)} weights' scales are not exact there, values move by up to "
+            f"{max(errs):.3g}; the files hold the exact values every other route reads" for route, errs in worst.items()]
 
 
 def _output_bytes(plan: TensorPlan) -> int:
@@ -863,7 +875,11 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
         note = (note + "; " if note else "") + (
             f"codes and block scales byte-identical; the layout's reader applies the global scale with its own "
             f"formula: values within {ulp_max} fp32 ulp of te-serial's on at most {ulp_elements} elements")
+    route = spec.layout.rounding_route(spec.scheme_of(plan.name), result) \
+        if spec is not None and isinstance(result, QuantizedTensorStorage) else None
     rep = TensorReport(plan.name, st.shape, _src_fmt(st), target_fmt, step.method, label, stats.max_abs_err,
                        stats.rel_rmse, stats.snr_db, st.nbytes, plan.nbytes, note, ulp_max, ulp_elements,
                        stats.sampled)
+    if route is not None:  # the files hold the values above; this reader gets others
+        rep.routes[route[0]] = route[1]
     return result, rep, proto

@@ -67,6 +67,9 @@ class TensorReport:
     #: over which elements the error figures were measured: "full", "sample" (evenly spread row
     #: blocks) or "none" (not measured: the figures are NaN). Exact paths are always "full".
     stats: str = "full"
+    #: consumer routes that read this tensor with rounded scales → the largest change of a value
+    #: there (the label is what the files hold; these readers get other values)
+    routes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -84,6 +87,7 @@ class TensorReport:
         d.setdefault("ulp_max", 0)
         d.setdefault("ulp_elements", 0)
         d.setdefault("stats", "full")
+        d.setdefault("routes", {})
         return TensorReport(**d)
 
 

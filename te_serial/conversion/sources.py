@@ -290,15 +290,16 @@ class SafetensorsSource(Source):
         self.hf_quant_config = read_hf_quant_config(hfq_path) if hfq_path.is_file() else None
         if self.hf_quant_config is not None:
             self.config_file = str(hfq_path)
-        self.sidecar, sidecar_acts = read_sidecar(root / SIDECAR_NAME) if (root / SIDECAR_NAME).is_file() else ({}, {})
+        self.sidecar, self._sidecar_acts = read_sidecar(root / SIDECAR_NAME) if (root / SIDECAR_NAME).is_file() \
+            else ({}, {})
         self.consumed: set[str] = set()
         self.modelopt_algo: str | None = None
         self.modelopt_layers: dict | None = None   # MIXED_PRECISION: layer → its quant_algo entry
         self.ct_schemes: set[str] | None = None
         self.ue8m0 = False
         self.layout = self._classify()
-        for k, v in sidecar_acts.items():  # the exact amax te-serial exported (the layout holds a rounded scale)
-            self.activation_amax[k] = v
+        for k, v in self._sidecar_acts.items():  # amax te-serial exported where the layout holds no scale
+            self.activation_amax.setdefault(k, v)
         if path.is_dir():
             # the layout's own config files are written anew by an export, never carried into another layout
             self.aux_files = _aux_files(path, exclude={INDEX_NAME, SIDECAR_NAME, HF_QUANT_CONFIG,
@@ -329,12 +330,19 @@ class SafetensorsSource(Source):
                                           uniform_rows=uniform_rows)
         self.consumed.update(k for k in (consumed or [keys.get("weight"), keys.get("scale"), keys.get("glob")]) if k)
 
-    def add_activation(self, module: str, key: str, to_amax) -> None:
+    def add_activation(self, module: str, key: str, layout, scheme: str) -> None:
         """A static activation scale: recorded as the layer's activation amax (re-exports write it
-        again), reported as dropped (it is not a weight)."""
+        again), reported as dropped (it is not a weight). The amax recorded is one whose scale, by
+        the layout's ``act_scale``, is the stored bits (te-serial's own exported amax where it still
+        gives them), so a re-export writes the same bits."""
         value = self._read(key).float().reshape(-1)
         if value.numel() == 1 and math.isfinite(float(value)) and float(value) > 0:
-            self.activation_amax.setdefault(module, float(to_amax(float(value))))
+            def gives(amax: float) -> bool:
+                return torch.equal(layout.act_scale(scheme, amax).reshape(()).view(torch.int32),
+                                   value.reshape(()).view(torch.int32))
+            known = self._sidecar_acts.get(module)
+            amax = known if known is not None and gives(known) else layout.act_amax(scheme, float(value))
+            self.activation_amax.setdefault(module, amax)
         self.drop(key, "activation scale, not a weight (kept as the layer's activation amax for re-export)")
 
     def drop(self, key: str, reason: str) -> None:

@@ -5,7 +5,7 @@ te-serial checkpoint), a plain dtype (``bf16``/``fp16``/``fp32``: a Hugging Face
 safetensors checkpoint any HF loader reads), or a serving layout: ModelOpt (``modelopt_nvfp4``,
 ``modelopt_mxfp8``, ``modelopt_fp8``, ``modelopt_fp8_pb_wo``), compressed-tensors
 (``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp8``, ``compressed_tensors_fp8``,
-``compressed_tensors_fp8_tensor``) or ``deepseek_fp8``. Plain dtypes mix with any other target
+``compressed_tensors_fp8_tensor``, ``compressed_tensors_fp8_block``) or ``deepseek_fp8``. Plain dtypes mix with any other target
 (they mean "a plain tensor of that dtype"); te-serial recipes and each serving layout do not mix,
 since they are different file layouts; several weight schemes of one serving layout make a mixed
 export (ModelOpt ``MIXED_PRECISION``, compressed-tensors config groups).
@@ -77,6 +77,11 @@ def _build_targets() -> dict[str, Target]:
         "compressed_tensors_fp8_tensor", "ct",
         "compressed-tensors float-quantized FP8 E4M3, one weight scale per tensor", strategy="tensor",
         scheme="fp8_tensor", layout="compressed_tensors_fp8")
+    out["compressed_tensors_fp8_block"] = Target(
+        "compressed_tensors_fp8_block", "ct",
+        "compressed-tensors float-quantized FP8 E4M3, fp32 weight_scale per 128x128 block (llm-compressor's "
+        "FP8_BLOCK), dynamic per-token-group activations", strategy="block", scheme="fp8_block",
+        layout="compressed_tensors_fp8_block")
     out["compressed_tensors_nvfp4"] = Target(
         "compressed_tensors_nvfp4", "ct",
         "compressed-tensors nvfp4-pack-quantized: weight_packed, E4M3 weight_scale per 16, "
@@ -107,6 +112,7 @@ TARGETS: dict[str, Target] = _build_targets()
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
             "deepseek": "deepseek_fp8", "compressed-tensors": "compressed_tensors_fp8",
             "ct_fp8": "compressed_tensors_fp8", "ct_fp8_tensor": "compressed_tensors_fp8_tensor",
+            "ct_fp8_block": "compressed_tensors_fp8_block",
             "ct_nvfp4": "compressed_tensors_nvfp4", "ct_mxfp8": "compressed_tensors_mxfp8",
             "modelopt_fp8_block": "modelopt_fp8_pb_wo"}
 

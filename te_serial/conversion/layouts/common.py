@@ -104,6 +104,21 @@ class ExternalLayout:
     def export_act(self, name: str, scheme: str, amax: float) -> dict[str, torch.Tensor]:
         return {}
 
+    def rounding_route(self, scheme: str, t: QuantizedTensorStorage) -> tuple[str, float] | None:
+        """A consumer route that rounds this weight's stored scales (a reader holding them in a
+        narrower dtype): (the route, in words; the largest change of a value it causes), or None
+        where every route reads the written values exactly."""
+        return None
+
+    def act_scale(self, scheme: str, amax: float) -> torch.Tensor:
+        """The static input scale this layout stores for an activation ``amax`` (0-d fp32), what
+        :meth:`export_act` writes: one rounding to fp32 of the exact quotient (amax in double)."""
+        raise NotImplementedError
+
+    def act_amax(self, scheme: str, scale: float) -> float:
+        """An activation amax (a double) whose :meth:`act_scale` is the fp32 ``scale`` bit for bit."""
+        raise NotImplementedError
+
     #: scheme → the key suffixes (after ``<module>.``) of the tensor-wide scales an engine applies once
     #: to a fused group (q/k/v, gate/up): they must be equal across the group's members
     shared_scales: dict[str, tuple[str, ...]] = {}

@@ -13,6 +13,9 @@ Per quantized linear ``<m>``, by the group's ``format``:
   export with that converter gives this export's bytes. W4A4 adds ``<m>.input_global_scale``
   ``[1]``. A reader's value is ``e2m1 · (float(weight_scale) / weight_global_scale)``.
 * ``mxfp8-quantized``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]``.
+* ``float-quantized`` strategy ``block`` (llm-compressor's ``FP8_BLOCK``): ``<m>.weight`` F8_E4M3
+  ``[N, K]`` + ``<m>.weight_scale`` ``[⌈N/128⌉, ⌈K/128⌉]`` (value = fp8 · its block's scale),
+  activations quantized at run time per token group of 128: TE's 128×128 blockwise FP8, exactly.
 
 ``config.json`` ``quantization_config``: one config group targeting ``Linear`` with the weight
 and activation arguments of the scheme, ``ignore`` naming every linear left in high precision.
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ... import numerics as nx
 from ...errors import UnknownLayoutError
 from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
 from .common import ExternalLayout, sidecar_amax
@@ -34,14 +38,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
 
 _FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "fp8_channel": "float-quantized",
-           "fp8_tensor": "float-quantized"}
+           "fp8_tensor": "float-quantized", "fp8_block": "float-quantized"}
+_BLOCK = [128, 128]
+_NVFP4_ACT = 448.0 * 6.0   # NVFP4 activations: global scale = this / amax
 _ACT_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
                  ".v_scale", ".q_scale", ".input_global_scale")
 
 
-def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=None, observer="minmax"):
+def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=None, observer="minmax",
+          block_structure=None):
     a = {"num_bits": num_bits, "type": "float", "symmetric": True, "group_size": group_size, "strategy": strategy,
-         "dynamic": dynamic, "actorder": None, "block_structure": None, "observer": observer, "observer_kwargs": {}}
+         "dynamic": dynamic, "actorder": None, "block_structure": block_structure, "observer": observer,
+         "observer_kwargs": {}}
     if scale_dtype is not None:
         a["scale_dtype"] = scale_dtype
     return a
@@ -59,11 +67,12 @@ class CompressedTensors(ExternalLayout):
                         "static": "FP8 (W8A8, static per-tensor activation scales)"},
         "fp8_tensor": {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
                        "static": "FP8 (W8A8, static per-tensor activation scales)"},
+        "fp8_block": {"dynamic": "FP8_BLOCK (W8A8, activation scales per token group of 128)"},
     }
 
     def layout_name(self, scheme):
-        return {"nvfp4": "compressed_tensors_nvfp4", "mxfp8": "compressed_tensors_mxfp8"}.get(scheme,
-                                                                                          "compressed_tensors_fp8")
+        return {"nvfp4": "compressed_tensors_nvfp4", "mxfp8": "compressed_tensors_mxfp8",
+                "fp8_block": "compressed_tensors_fp8_block"}.get(scheme, "compressed_tensors_fp8")
 
     # --- export -----------------------------------------------------------------------------------
     def weight_keys(self, name, shape, scheme):
@@ -74,6 +83,8 @@ class CompressedTensors(ExternalLayout):
                     (p + "weight_global_scale", (1,), F32)]
         if scheme == "mxfp8":
             return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
+        if scheme == "fp8_block":
+            return [(name, (n, k), E4M3), (p + "weight_scale", (nx.ceil_div(n, 128), nx.ceil_div(k, 128)), F32)]
         return [(name, (n, k), E4M3), (p + "weight_scale", (n, 1) if scheme == "fp8_channel" else (1,), F32)]
 
     def act_keys(self, name, scheme):
@@ -93,10 +104,39 @@ class CompressedTensors(ExternalLayout):
         return {name: parts.data, p + "weight_scale": scale}
 
     def export_act(self, name, scheme, amax):
-        a = torch.tensor(amax, dtype=F32)
-        if scheme == "nvfp4":
-            return {prefix(name) + "input_global_scale": (1 / (a / torch.tensor(448.0 * 6.0, dtype=F32))).reshape(1)}
-        return {prefix(name) + "input_scale": (a / torch.tensor(448.0, dtype=F32)).reshape(1)}
+        key = "input_global_scale" if scheme == "nvfp4" else "input_scale"
+        return {prefix(name) + key: self.act_scale(scheme, amax).reshape(1)}
+
+    #: transformers' compressed-tensors quantizer allocates weight_scale in the model's dtype
+    #: (compressed_tensors.quantization.lifecycle.initialize: the observed weight's dtype) and loads
+    #: the fp32 file values into it, unless CompressedTensorsConfig(dequantize=True)
+    BF16_ROUTE = ("transformers' default compressed-tensors route (weight_scale held in the model's BF16; "
+                  "exact with CompressedTensorsConfig(dequantize=True), vLLM and SGLang)")
+
+    def rounding_route(self, scheme, t):
+        if scheme not in ("fp8_tensor", "fp8_channel", "fp8_block"):
+            return None
+        parts = split(t, scheme)
+        s = parts.scale.to(F32)
+        r = s.to(torch.bfloat16).to(F32)
+        if torch.equal(s, r):
+            return None  # power-of-two (or otherwise BF16-exact) scales survive the route
+        n, k = parts.data.shape
+        if scheme == "fp8_block":
+            grow = lambda g: g.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]  # noqa: E731
+        else:
+            grow = lambda g: g.reshape(-1, 1) if g.numel() > 1 else g.reshape(1, 1)  # noqa: E731
+        codes = parts.data.view(E4M3).to(F32)
+        return self.BF16_ROUTE, float((codes * grow(s) - codes * grow(r)).abs().max())
+
+    def act_scale(self, scheme, amax):
+        if scheme == "nvfp4":  # input_global_scale = 6 · 448 / amax, rounded once
+            return torch.tensor(_NVFP4_ACT / amax, dtype=F32)
+        return torch.tensor(amax / 448.0, dtype=F32)
+
+    def act_amax(self, scheme, scale):
+        # 2688 / (2688 / s) is within a double ulp of s, far inside half an fp32 ulp; s · 448 is exact
+        return _NVFP4_ACT / scale if scheme == "nvfp4" else scale * 448.0
 
     def reader(self, scheme, blobs, name):
         if scheme != "nvfp4":
@@ -130,6 +170,9 @@ class CompressedTensors(ExternalLayout):
             w = _args(8, "group", group_size=32, scale_dtype="torch.uint8")
             act = (_args(8, "group", group_size=32, dynamic=True, scale_dtype="torch.uint8", observer=None)
                    if mode == "dynamic" else None)
+        elif scheme == "fp8_block":
+            w = _args(8, "block", block_structure=list(_BLOCK))
+            act = _args(8, "group", group_size=128, dynamic=True, observer=None) if mode == "dynamic" else None
         else:
             w = _args(8, "channel" if scheme == "fp8_channel" else "tensor")
             act = {"dynamic": _args(8, "token", dynamic=True, observer=None),
@@ -169,13 +212,17 @@ class CompressedTensors(ExternalLayout):
                     scheme = "mxfp8"
                 elif sd not in (F32, torch.bfloat16, torch.float16):
                     src._fail(f"weight_scale must be a float tensor, got {sd}", k)
+                elif allowed is not None and "fp8_block" in allowed \
+                        and ss == (nx.ceil_div(m, 128), nx.ceil_div(kk, 128)):
+                    scheme = "fp8_block"  # first: a one-block weight's [1, 1] is a block scale here
                 elif math.prod(ss) == 1 and len(ss) <= 2:
                     scheme = "fp8_tensor"
                 elif ss in ((m, 1), (m,)):
                     scheme = "fp8_channel"
                 else:
-                    src._fail(f"weight_scale {list(ss)} for a weight {list(ws)} is neither per-tensor [1] nor "
-                              "per-channel [out, 1] (group and block strategies are not read)", k)
+                    src._fail(f"weight_scale {list(ss)} for a weight {list(ws)} is neither per-tensor [1], "
+                              "per-channel [out, 1] nor (strategy block) per 128x128 block "
+                              f"[{nx.ceil_div(m, 128)}, {nx.ceil_div(kk, 128)}]", k)
                 keys = {"weight": w, "scale": k, "scheme": scheme}
                 shape, nbytes, name = tuple(ws), wb + sb, w
             else:
@@ -189,10 +236,9 @@ class CompressedTensors(ExternalLayout):
                 keys["zero_point"] = zp
             src.add_quantized(name, shape, keys, nbytes, self, consumed=[w, k, keys.get("glob"), keys.get("zero_point")],
                               uniform_rows=scheme == "fp8_channel", fmt="ct_" + scheme)
-            for suffix, to_amax in (("input_scale", lambda v: float(v) * 448.0),
-                                    ("input_global_scale", lambda v: 448.0 * 6.0 / float(v))):
-                if p + suffix in keyset:
-                    src.add_activation(module_of(name), p + suffix, to_amax)
+            act = p + ("input_global_scale" if scheme == "nvfp4" else "input_scale")
+            if act in keyset:
+                src.add_activation(module_of(name), act, self, scheme)
         for k in list(src._where):
             if k.endswith(_ACT_SUFFIXES) and k not in src.consumed:
                 src.drop(k, "compressed-tensors activation/KV-cache parameter, not a weight")
@@ -258,9 +304,12 @@ def ct_schemes(qc: dict, cfg_file: str) -> set[str]:
                 raise UnknownLayoutError("MXFP8 weights are 8-bit floats in groups of 32", file=cfg_file, field=where)
             out.add("mxfp8")
         else:
-            if bits != 8 or strategy not in ("tensor", "channel"):
-                raise UnknownLayoutError(f"weight strategy {strategy!r} is not read (te-serial reads 'tensor' and "
-                                         "'channel')", file=cfg_file, field=where)
+            if bits != 8 or strategy not in ("tensor", "channel", "block"):
+                raise UnknownLayoutError(f"weight strategy {strategy!r} is not read (te-serial reads 'tensor', "
+                                         "'channel' and 'block' [128, 128])", file=cfg_file, field=where)
+            if strategy == "block" and list(w.get("block_structure") or []) != _BLOCK:
+                raise UnknownLayoutError(f"block_structure {w.get('block_structure')!r} is not read (te-serial reads "
+                                         "[128, 128], TE's blockwise FP8)", file=cfg_file, field=where + ".block_structure")
             out.add("fp8_" + strategy)
     return out
 

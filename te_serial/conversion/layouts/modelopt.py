@@ -116,8 +116,13 @@ class ModelOpt(ExternalLayout):
         return out
 
     def export_act(self, name, scheme, amax):
-        div = _E4M3_MAX * nx.FP4_MAX if scheme == "nvfp4" else _E4M3_MAX
-        return {prefix(name) + "input_scale": (torch.tensor(amax, dtype=F32) / torch.tensor(div, dtype=F32)).reshape(())}
+        return {prefix(name) + "input_scale": self.act_scale(scheme, amax).reshape(())}
+
+    def act_scale(self, scheme, amax):
+        return torch.tensor(amax / _act_divisor(scheme), dtype=F32)
+
+    def act_amax(self, scheme, scale):
+        return scale * _act_divisor(scheme)  # exact in double: a 24-bit significand times 448 or 2688
 
     def reader(self, scheme, blobs, name):
         if scheme != "nvfp4":
@@ -221,8 +226,7 @@ class ModelOpt(ExternalLayout):
             src.add_quantized(w, shape, keys, nbytes, self)
             inp = p + "input_scale"
             if inp in keyset:
-                div = _E4M3_MAX * nx.FP4_MAX if keys["scheme"] == "nvfp4" else _E4M3_MAX
-                src.add_activation(module_of(w), inp, lambda v, d=div: float(v) * d)
+                src.add_activation(module_of(w), inp, self, keys["scheme"])
 
     def load(self, src, st):
         keys, scheme = st.keys, st.keys["scheme"]
@@ -242,6 +246,11 @@ class ModelOpt(ExternalLayout):
             src.import_checks[st.name] = codes_check(t, self.reader(scheme, {prefix(st.name) + "weight_scale_2":
                                                                              src._read(keys["glob"])}, st.name))
         return t
+
+
+def _act_divisor(scheme: str) -> float:
+    """input_scale = activation amax / this: the largest value of the format activations take."""
+    return _E4M3_MAX * nx.FP4_MAX if scheme == "nvfp4" else _E4M3_MAX
 
 
 def _block_grid(n: int, k: int) -> tuple[int, int]:
