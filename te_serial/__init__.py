@@ -2,7 +2,7 @@
 
 The top level holds what users call. Storage and tensor classes, registries and the swizzle helpers
 live in :mod:`te_serial.formats`; every error class in :mod:`te_serial.errors`; distributed
-checkpoints in :mod:`te_serial.dcp`.
+checkpoints in :mod:`te_serial.dcp`; weights handed to a serving engine in :mod:`te_serial.serving`.
 """
 
 from ._version import __version__
@@ -18,10 +18,11 @@ from .te_interop import from_te, to_te
 from .te_spec import from_te_spec, to_te_spec
 from .model import load_into, materialize, plan, quantize_model
 from .conversion import convert
+from .serving import export_tensors
 
 __all__ = [
     "__version__",
-    "save_quantized", "load_quantized", "open", "read_protos", "verify", "convert",
+    "save_quantized", "load_quantized", "open", "read_protos", "verify", "convert", "export_tensors",
     "load_into", "quantize_model", "materialize", "plan", "Checkpoint", "CheckpointWriter",
     "TensorProto", "to_tensor_proto", "slice_quantized",
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",

@@ -713,11 +713,15 @@ def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: Ex
     return notes
 
 
-def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torch.Tensor]]) -> list[str]:
+def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torch.Tensor]],
+                        only: str | None = None) -> list[str]:
     """Refuse (or with ``fused="off"`` warn about) a fused group written with unequal tensor scales:
-    an engine applies one to the fused weight, so every member but one would be served wrong."""
+    an engine applies one to the fused weight, so every member but one would be served wrong.
+    ``only``: check just the group holding this tensor."""
     notes = []
     for members in spec.fused:
+        if only is not None and only not in members:
+            continue
         for key in sorted({k for m in members for k in shared.get(m, {})}):
             vals = [shared.get(m, {}).get(key) for m in members]
             if any(v is None for v in vals):

@@ -36,18 +36,19 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import (CheckpointError, CheckpointFileError, ConversionError, FormatError, ManifestError, ShapeError,
                       UnknownLayoutError)
-from ..proto import TensorProto
+from ..proto import TensorProto, to_tensor_proto
 from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.writer import SHARD_NAME
 from ..formats import STORAGE_REGISTRY
+from ..formats.base import QuantizedTensorStorage
 from .layouts import FAMILIES as LAYOUT_FAMILIES
 from .layouts.common import SIDECAR_NAME, read_sidecar
 from .layouts.compressed_tensors import ct_schemes
@@ -150,6 +151,10 @@ class Source:
         it was checked as it was read)."""
         return self.load(name), None
 
+    def load_member(self, name: str, member: int) -> torch.Tensor:
+        """Expert ``member`` of the grouped tensor ``name``."""
+        return self.load(name).members()[member]
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -209,6 +214,9 @@ class TeSerialSource(Source):
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.ckpt.stream(name, verify=self.verify)
+
+    def load_member(self, name: str, member: int) -> torch.Tensor:
+        return self.ckpt.get(name, verify=self.verify, mmap=False, member=member)  # that expert's bytes only
 
     def _activation_amax(self) -> dict[str, float]:
         """module → input amax: from TE delayed-scaling state (``<m>._extra_state``'s
@@ -571,6 +579,37 @@ def open_source(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
     return SafetensorsSource(path, files, key_files, config, cfg, dtype=dtype)
 
 
+# --- a model in memory --------------------------------------------------------------------------
+
+class ModuleSource(Source):
+    """An ``nn.Module``'s (or a state dict's) tensors as a source: te-serial quantized parameters
+    as they are, plain ones as they are; tensors shared by several names are aliases of the first."""
+
+    layout = "model"
+
+    def __init__(self, model: "torch.nn.Module | Mapping[str, torch.Tensor]") -> None:
+        super().__init__(Path("<model>"))
+        state = model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else dict(model)
+        cfg = getattr(model, "config", None)
+        self.config = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else None
+        self._state: dict[str, torch.Tensor] = {}
+        first: dict[int, str] = {}
+        for name, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise ConversionError(f"state entry is a {type(t).__name__}, not a tensor", tensor=name)
+            proto = to_tensor_proto(t)
+            q = proto.quantizer
+            fmt = describe_quantizer(q) if q is not None else describe_dtype(proto.dtype)
+            self._state[name] = t.detach() if not isinstance(t, QuantizedTensorStorage) else t
+            self.tensors[name] = SourceTensor(name, proto, fmt, usage_label(q), proto.nbytes, {},
+                                              alias_of=first.get(id(t)))
+            first.setdefault(id(t), name)
+
+    def load(self, name: str) -> torch.Tensor:
+        t = self._state[name]
+        return t.detach() if isinstance(t, QuantizedTensorStorage) and isinstance(t, torch.Tensor) else t
+
+
 # --- grouped (MoE) weights: split into experts, or experts merged ---------------------------------
 
 class GroupedView(Source):
@@ -618,9 +657,7 @@ class GroupedView(Source):
         return TensorProto(q.group_shape, first.dtype, q)
 
     def _load_part(self, name: str, member: int | None) -> torch.Tensor:
-        if member is None:
-            return self.inner.load(name)
-        return self.inner.ckpt.get(name, verify=self.inner.verify, mmap=False, member=member)
+        return self.inner.load(name) if member is None else self.inner.load_member(name, member)
 
     def load(self, name: str) -> torch.Tensor:
         from .transforms import build_grouped
