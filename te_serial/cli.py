@@ -35,21 +35,22 @@ diff: 0 identical, 1 different, 2 error.
 """
 
 
+def _serving_targets() -> str:
+    """The serving layouts, from the target table (one place for what each writes)."""
+    from .conversion.targets import TARGETS
+    rows = [(t.name, t.description) for t in TARGETS.values() if t.scheme is not None]
+    width = max(len(n) for n, _ in rows) + 2
+    return "\n".join(f"  {n:<{width}}{d}" for n, d in rows)
+
+
 CONVERT_EPILOG = """\
 serving layouts (a model directory: shards + model.safetensors.index.json + config.json, the
 source's config.json / generation_config.json / tokenizer files copied, te_serial_export.json):
-  modelopt_nvfp4            ModelOpt NVFP4 / W4A16_NVFP4: weight U8 [N,K/2], weight_scale E4M3 [N,K/16],
-                            weight_scale_2 = amax/(6*448), input_scale; + hf_quant_config.json
-  modelopt_mxfp8            ModelOpt MXFP8: weight E4M3 [N,K], weight_scale U8 (E8M0) [N,K/32]
-  modelopt_fp8              ModelOpt FP8: weight E4M3, weight_scale, input_scale (needs activation amax)
-  modelopt_fp8_pb_wo        ModelOpt FP8_PB_WO: weight E4M3, weight_scale per 128x128 block
-  compressed_tensors_nvfp4  nvfp4-pack-quantized: weight_packed, weight_scale, weight_global_scale = 6*448/amax
-  compressed_tensors_mxfp8  mxfp8-quantized: weight E4M3, weight_scale U8 [N,K/32]
-  compressed_tensors_fp8    float-quantized FP8, one scale per channel (_tensor: per tensor)
-  deepseek_fp8              DeepSeek-V3 block FP8: weight + weight_scale_inv per 128x128
+{targets}
 NVFP4 exports keep TE's codes and block scales byte for byte; the layout's reader applies the
 global scale with its own formula, so values can land a few fp32 ulp away: the report labels
-them "exact codes" with the measured bound. Every other exact path is "lossless".
+them "exact codes" with the measured bound. Every other exact path is "lossless". Weights an
+engine fuses into one GEMM (q/k/v, gate/up, ...) share one tensor scale (--fused).
 
 examples:
   te-serial convert model/ out/ --recipe mxfp8
@@ -83,7 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     c = sub.add_parser("convert", help="convert a checkpoint to another recipe or layout",
-                       epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONVERT_EPILOG.format(targets=_serving_targets()), formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("src", help="source checkpoint (layout auto-detected)")
     c.add_argument("dst", help="destination directory (or a .safetensors file for te-serial / plain targets)")
     c.add_argument("--recipe", metavar="R", help=f"target of the default rule: {_targets_help()}")
@@ -100,6 +101,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "weight_only (= none), dynamic, static (W8A8 / W4A4 from recorded amax)")
     c.add_argument("--activation-amax", metavar="FILE",
                    help="JSON {module: amax of its input} from a calibration pass (te_serial.conversion.ActivationAmax)")
+    c.add_argument("--fused", default="auto", choices=("auto", "off"),
+                   help="auto: weights an engine fuses (q/k/v, gate/up, ...) share one tensor scale; off: each "
+                        "its own (engines then serve wrong values where they differ; the report warns)")
     c.add_argument("--stats", default="full", choices=("full", "sample", "none"),
                    help="error figures of requantized tensors: every element (full), evenly spread row blocks, "
                         "about 1/16 of the rows (sample), or none; lossless paths are verified in full in every mode")
@@ -236,7 +240,8 @@ def cmd_convert(args, out: TextIO, err: TextIO) -> int:
         rep = convert(args.src, args.dst, recipe=args.recipe, rules=args.rules, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, report=args.report, progress=bar,
                       usages=args.usages, overwrite=args.overwrite, activations=args.activations,
-                      activation_amax=args.activation_amax, stats=args.stats, device=args.device)
+                      activation_amax=args.activation_amax, stats=args.stats, device=args.device,
+                      fused=args.fused)
     finally:
         if bar is not None:
             bar.close()

@@ -28,8 +28,9 @@ PLAIN_TARGETS = ("bf16", "fp16", "fp32")
 SOURCES = [f"te:{r}" for r in RECIPES] + ["plain", "plain_sharded", "deepseek", "ct_tensor", "ct_channel"]
 TARGETS = list(tc.TARGETS)
 
-_PER_TENSOR_EXACT = {"fp8_current", "fp8_delayed", "fp8_block", "fp8_block_1d", "deepseek_fp8",
-                     "compressed_tensors_fp8", "compressed_tensors_fp8_tensor", "modelopt_fp8", "modelopt_fp8_pb_wo"}
+_BLOCK_OUT = {"deepseek_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8_block"}
+_PER_TENSOR_EXACT = {"fp8_current", "fp8_delayed", "fp8_block", "fp8_block_1d", "compressed_tensors_fp8",
+                     "compressed_tensors_fp8_tensor", "modelopt_fp8", *_BLOCK_OUT}
 _NVFP4_OUT = {"modelopt_nvfp4", "compressed_tensors_nvfp4"}
 _MXFP8_OUT = {"modelopt_mxfp8", "compressed_tensors_mxfp8"}
 #: source format → targets whose path is exact (written from the formats' definitions, not the code)
@@ -38,8 +39,8 @@ EXACT = {
     "fp8_current_e5m2": {"fp8_current_e5m2"},
     "mxfp8": {"mxfp8", *_MXFP8_OUT}, "mxfp8_2d": {"mxfp8_2d", "mxfp8", *_MXFP8_OUT},
     "fp8_block_1d": {"fp8_block_1d"},
-    "fp8_block": {"fp8_block", "fp8_block_1d", "deepseek_fp8", "modelopt_fp8_pb_wo"},
-    "deepseek_fp8": {"fp8_block", "fp8_block_1d", "deepseek_fp8", "modelopt_fp8_pb_wo"},
+    "fp8_block": {"fp8_block", "fp8_block_1d", *_BLOCK_OUT},
+    "deepseek_fp8": {"fp8_block", "fp8_block_1d", *_BLOCK_OUT},
     "ct_fp8_channel": {"compressed_tensors_fp8", "fp8_block_1d"},
     "nvfp4": {"nvfp4", *_NVFP4_OUT}, "nvfp4_2d": {"nvfp4_2d", "nvfp4", *_NVFP4_OUT},
     # another amax layout / divisor (6 * 256): exact only into themselves; serving layouts refuse them
@@ -147,7 +148,10 @@ def _read_output(dst: Path, family: str) -> tuple[dict[str, dict[str, torch.Tens
             vals[k], nbytes[k] = {"plain": mxfp8_dequantize(t, s)}, size(t, s, *act)
         elif p + "weight_scale" in raw:  # per-tensor / per-channel / 128x128 FP8 (ModelOpt, compressed-tensors)
             s = raw[p + "weight_scale"]
-            deq = deepseek_dequantize(t, s) if family == "modelopt_fp8_pb_wo" else ct_dequantize(t, s)
+            if s.dim() == 4:  # ModelOpt FP8_PB_WO: [N/128, 1, K/128, 1]
+                s = s.reshape(s.shape[0], s.shape[2])
+            block = family in ("modelopt_fp8_pb_wo", "compressed_tensors_fp8_block")
+            deq = deepseek_dequantize(t, s) if block else ct_dequantize(t, s)
             vals[k], nbytes[k] = {"plain": deq}, size(t, s, *act)
         else:
             assert t.dtype != E4M3, k
@@ -166,7 +170,7 @@ def _stats(ref: torch.Tensor, out: torch.Tensor) -> tuple[bool, float, float, fl
 #: the serving layouts added with ModelOpt / NVFP4 / MXFP8 (every TE recipe into each of them is in
 #: test_serving_layouts.py): here against a few sources of each kind, to keep the matrix's time down
 _NEW_SERVING = {"compressed_tensors_nvfp4", "compressed_tensors_mxfp8", "modelopt_nvfp4", "modelopt_mxfp8",
-                "modelopt_fp8", "modelopt_fp8_pb_wo"}
+                "modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8_block"}
 _NEW_SERVING_SOURCES = {"te:nvfp4_2d", "te:mxfp8", "te:fp8_current", "plain", "deepseek", "ct_channel"}
 #: the NVFP4 variants (4over6, row-scaled; test_nvfp4_variants.py holds their rules) against a few
 #: partners each way, for the same reason

@@ -254,8 +254,11 @@ def _file_of(source: Source, st: SourceTensor) -> str:
         root = source.path if source.path.is_dir() else source.path.parent
         return str(source.path if b is None or b.file == SELF_FILE else root / b.file)
     key = st.keys.get("data") or st.keys.get("weight")
-    where = getattr(source, "_where", {})
-    return where.get(key, str(source.path))
+    file_of = getattr(source, "file_of", None)
+    try:
+        return file_of(key) if file_of is not None and key is not None else str(source.path)
+    except KeyError:
+        return str(source.path)
 
 
 def _parse_amax(activation_amax) -> dict[str, float]:
@@ -663,7 +666,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                 progress(total, total, "")
             if spec is not None:
                 rep.notes.extend(_check_fused_scales(spec, out.shared))
-            dropped = {name: (source.file(source._where[name]).entries[name].shape, "activation scale", reason,
+            dropped = {name: (source.info(name)[1], "activation scale", reason,
                               nbytes) for name, (reason, nbytes) in source.dropped.items()}
             for name in (spec.dropped if spec is not None else ()):
                 st = source.tensors[name]

@@ -314,11 +314,22 @@ class SafetensorsSource(Source):
                                                        *(p.name for p in files)})
 
     # -- classification ------------------------------------------------------------------------
-    def _info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+    # --- the protocol the layouts read a source through ------------------------------------------
+    def keys(self) -> list[str]:
+        """Every tensor key in the source's files, in file order."""
+        return list(self._where)
+
+    def file_of(self, key: str) -> str:
+        """The path of the file holding ``key``."""
+        return self._where[key]
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+        """(dtype, shape, bytes) of ``key`` from its file's header, nothing read."""
         e = self._files[self._where[key]].entries[key]
         return e.dtype, e.shape, e.nbytes
 
-    def _fail(self, message: str, key: str | None = None) -> None:
+    def fail(self, message: str, key: str | None = None) -> None:
+        """Raise the layout error for ``key``, naming it and its file."""
         file = self._where.get(key, str(self.path)) if key else str(self.path)
         raise UnknownLayoutError(message, file=file, tensor=key)
 
@@ -330,7 +341,7 @@ class SafetensorsSource(Source):
         try:
             q.check_shape(tuple(shape))
         except ShapeError as e:
-            self._fail(f"{layout.layout_name(scheme)} weight of shape {list(shape)}: te-serial's {q.layout_name()} "
+            self.fail(f"{layout.layout_name(scheme)} weight of shape {list(shape)}: te-serial's {q.layout_name()} "
                        f"cannot hold it ({e})", keys["weight"])
         keys = {**keys, "layout": layout}
         self.tensors[name] = SourceTensor(name, TensorProto(tuple(shape), self.dtype, q),
@@ -343,7 +354,7 @@ class SafetensorsSource(Source):
         again), reported as dropped (it is not a weight). The amax recorded is one whose scale, by
         the layout's ``act_scale``, is the stored bits (te-serial's own exported amax where it still
         gives them), so a re-export writes the same bits."""
-        value = self._read(key).float().reshape(-1)
+        value = self.read(key).float().reshape(-1)
         if value.numel() == 1 and math.isfinite(float(value)) and float(value) > 0:
             def gives(amax: float) -> bool:
                 return torch.equal(layout.act_scale(scheme, amax).reshape(()).view(torch.int32),
@@ -355,7 +366,7 @@ class SafetensorsSource(Source):
 
     def drop(self, key: str, reason: str) -> None:
         self.consumed.add(key)
-        self.dropped[key] = (reason, self._info(key)[2])
+        self.dropped[key] = (reason, self.info(key)[2])
 
     def _family(self) -> str | None:
         qc, hfq = self.quant_config, self.hf_quant_config
@@ -395,7 +406,7 @@ class SafetensorsSource(Source):
         scaled = [k for k in keys if k.endswith(".weight_scale")]
         if family is None:  # no config: the names say it
             if ds and scaled:
-                self._fail("checkpoint mixes DeepSeek-style weight_scale_inv and compressed-tensors weight_scale "
+                self.fail("checkpoint mixes DeepSeek-style weight_scale_inv and compressed-tensors weight_scale "
                            "tensors", ds[0])
             if any(k.endswith(".weight_scale_2") for k in keys):
                 family, self.modelopt_algo = "modelopt", None
@@ -404,17 +415,17 @@ class SafetensorsSource(Source):
             elif ds:
                 family = "deepseek"
         elif family == "deepseek" and scaled:
-            self._fail("config.json says deepseek_fp8 but the tensors are laid out as compressed-tensors / ModelOpt "
+            self.fail("config.json says deepseek_fp8 but the tensors are laid out as compressed-tensors / ModelOpt "
                        "(weight_scale)")
         elif family in ("ct", "modelopt") and ds:
-            self._fail(f"config.json says {family} but the tensors are laid out as deepseek_fp8 (weight_scale_inv)")
+            self.fail(f"config.json says {family} but the tensors are laid out as deepseek_fp8 (weight_scale_inv)")
         consumes = {"ct": (".weight_packed", ".weight_global_scale")}.get(family, ())
         for k in keys:
             for suffix, (what, sibling) in _FOREIGN_SUFFIXES.items():
                 if suffix in consumes:
                     continue
                 if k.endswith(suffix) and (sibling is None or k[: -len(suffix)] + sibling in keyset):
-                    self._fail(f"tensor looks like {what}, a layout te-serial does not read", k)
+                    self.fail(f"tensor looks like {what}, a layout te-serial does not read", k)
         layout = LAYOUT_FAMILIES.get(family) if family else None
         if layout is not None:
             layout.claim(self)
@@ -426,9 +437,9 @@ class SafetensorsSource(Source):
         for k in keys:
             if k in self.consumed or k in self.tensors:
                 continue
-            dtype, shape, nbytes = self._info(k)
+            dtype, shape, nbytes = self.info(k)
             if dtype in _FP8_CODES:
-                self._fail(f"{describe_dtype(dtype)} tensor without a scale next to it ({k}_scale_inv or "
+                self.fail(f"{describe_dtype(dtype)} tensor without a scale next to it ({k}_scale_inv or "
                            f"{k}_scale): not a layout te-serial reads", k)
             self.tensors[k] = SourceTensor(k, TensorProto(shape, dtype), describe_dtype(dtype), "-", nbytes,
                                            {"data": k})
@@ -444,14 +455,14 @@ class SafetensorsSource(Source):
         return names.pop() if len(names) == 1 else {"ct": "compressed_tensors", "modelopt": "modelopt"}[family]
 
     # -- loading -------------------------------------------------------------------------------
-    def _read(self, key: str) -> torch.Tensor:
+    def read(self, key: str) -> torch.Tensor:
         """A buffer as a mapping of its own pages (no copy; unmapped once freed)."""
         return self._files[self._where[key]].mapped(key, own=True)
 
     def load(self, name: str) -> torch.Tensor:
         st = self.tensors[name]
         if st.quantizer is None:
-            return self._read(st.keys["data"])
+            return self.read(st.keys["data"])
         return st.keys["layout"].load(self, st)
 
 
@@ -633,6 +644,11 @@ class GroupedView(Source):
             fmt = describe_quantizer(q) if q is not None else describe_dtype(proto.dtype)
             self.tensors[out] = SourceTensor(out, proto, fmt, usage_label(q), proto.nbytes,
                                              {"grouped": srcs, "merged": merged})
+
+    def __getattr__(self, name: str) -> Any:  # the inner source's own protocol (info, file_of, read…)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def _member_proto(self, name: str, i: int) -> TensorProto:
         p = self.inner.tensors[name].proto

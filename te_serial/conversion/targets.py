@@ -103,7 +103,7 @@ def _build_targets() -> dict[str, Target]:
         scheme="fp8_tensor", layout="modelopt_fp8")
     out["modelopt_fp8_pb_wo"] = Target(
         "modelopt_fp8_pb_wo", "modelopt",
-        "ModelOpt FP8_PB_WO: E4M3 weight, fp32 weight_scale per 128x128 block, weight-only",
+        "ModelOpt FP8_PB_WO (quant_algo fp8_pb_wo): E4M3 weight, fp32 weight_scale [N/128,1,K/128,1], weight-only",
         scheme="fp8_block", layout="modelopt_fp8_pb_wo")
     return out
 

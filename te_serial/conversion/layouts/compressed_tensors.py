@@ -183,35 +183,35 @@ class CompressedTensors(ExternalLayout):
     # --- import -------------------------------------------------------------------------------------
     def claim(self, src: "SafetensorsSource") -> None:
         allowed = src.ct_schemes  # None: no config to check against
-        keyset = set(src._where)
-        for k in list(src._where):
+        keyset = set(src.keys())
+        for k in src.keys():
             if not k.endswith(".weight_scale"):
                 continue
             p = k[: -len("weight_scale")]
             w, packed = p + "weight", p + "weight_packed"
-            sd, ss, sb = src._info(k)
+            sd, ss, sb = src.info(k)
             if packed in keyset:
                 g = p + "weight_global_scale"
-                pd, ps, pb = src._info(packed)
+                pd, ps, pb = src.info(packed)
                 if g not in keyset or pd != torch.uint8 or sd != E4M3 or len(ps) != 2 \
-                        or ss != (ps[0], ps[1] * 2 // 16) or math.prod(src._info(g)[1]) != 1:
-                    src._fail(f"NVFP4 weight_packed {pd}{list(ps)} with weight_scale {sd}{list(ss)}: expected U8 "
+                        or ss != (ps[0], ps[1] * 2 // 16) or math.prod(src.info(g)[1]) != 1:
+                    src.fail(f"NVFP4 weight_packed {pd}{list(ps)} with weight_scale {sd}{list(ss)}: expected U8 "
                               "[N, K/2], F8_E4M3 [N, K/16] and a one-element weight_global_scale", k)
                 keys = {"weight": packed, "scale": k, "glob": g, "scheme": "nvfp4"}
-                shape, nbytes = (ps[0], ps[1] * 2), pb + sb + src._info(g)[2]
+                shape, nbytes = (ps[0], ps[1] * 2), pb + sb + src.info(g)[2]
                 w = packed
                 name = p + "weight"
             elif w in keyset:
-                wd, ws, wb = src._info(w)
+                wd, ws, wb = src.info(w)
                 if wd != E4M3 or len(ws) != 2:
-                    src._fail(f"compressed-tensors FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
+                    src.fail(f"compressed-tensors FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
                 m, kk = ws
                 if sd == torch.uint8:
                     if ss != (m, kk // 32):
-                        src._fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
+                        src.fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
                     scheme = "mxfp8"
                 elif sd not in (F32, torch.bfloat16, torch.float16):
-                    src._fail(f"weight_scale must be a float tensor, got {sd}", k)
+                    src.fail(f"weight_scale must be a float tensor, got {sd}", k)
                 elif allowed is not None and "fp8_block" in allowed \
                         and ss == (nx.ceil_div(m, 128), nx.ceil_div(kk, 128)):
                     scheme = "fp8_block"  # first: a one-block weight's [1, 1] is a block scale here
@@ -220,16 +220,16 @@ class CompressedTensors(ExternalLayout):
                 elif ss in ((m, 1), (m,)):
                     scheme = "fp8_channel"
                 else:
-                    src._fail(f"weight_scale {list(ss)} for a weight {list(ws)} is neither per-tensor [1], "
+                    src.fail(f"weight_scale {list(ss)} for a weight {list(ws)} is neither per-tensor [1], "
                               "per-channel [out, 1] nor (strategy block) per 128x128 block "
                               f"[{nx.ceil_div(m, 128)}, {nx.ceil_div(kk, 128)}]", k)
                 keys = {"weight": w, "scale": k, "scheme": scheme}
                 shape, nbytes, name = tuple(ws), wb + sb, w
             else:
-                src._fail(f"scale tensor has no weight next to it (expected {w!r}, compressed-tensors naming)", k)
+                src.fail(f"scale tensor has no weight next to it (expected {w!r}, compressed-tensors naming)", k)
             scheme = keys["scheme"]
             if allowed is not None and scheme not in allowed:
-                src._fail(f"weight_scale {list(ss)} means {scheme}, but config.json's config_groups declare "
+                src.fail(f"weight_scale {list(ss)} means {scheme}, but config.json's config_groups declare "
                           f"{sorted(allowed)}", k)
             zp = p + "weight_zero_point"
             if zp in keyset:
@@ -239,19 +239,19 @@ class CompressedTensors(ExternalLayout):
             act = p + ("input_global_scale" if scheme == "nvfp4" else "input_scale")
             if act in keyset:
                 src.add_activation(module_of(name), act, self, scheme)
-        for k in list(src._where):
+        for k in src.keys():
             if k.endswith(_ACT_SUFFIXES) and k not in src.consumed:
                 src.drop(k, "compressed-tensors activation/KV-cache parameter, not a weight")
 
     def load(self, src, st):
         keys, scheme = st.keys, st.keys["scheme"]
-        data, scale = src._read(keys["weight"]), src._read(keys["scale"])
+        data, scale = src.read(keys["weight"]), src.read(keys["scale"])
         zp = keys.get("zero_point")
-        if zp is not None and bool((src._read(zp).float() != 0).any()):
-            src._fail("nonzero weight_zero_point: asymmetric quantization is not a layout te-serial reads", zp)
+        if zp is not None and bool((src.read(zp).float() != 0).any()):
+            src.fail("nonzero weight_zero_point: asymmetric quantization is not a layout te-serial reads", zp)
         amax = None
         if scheme == "nvfp4":
-            gs = src._read(keys["glob"]).to(F32).reshape(())
+            gs = src.read(keys["glob"]).to(F32).reshape(())
             div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
             fwd = lambda a: 1 / (a / div)  # noqa: E731 - the reciprocal of ModelOpt's amax / (6 · 448)
             amax = sidecar_amax(src.sidecar.get(st.name))
@@ -263,7 +263,7 @@ class CompressedTensors(ExternalLayout):
                              amax)
         if scheme == "nvfp4":
             src.import_checks[st.name] = codes_check(
-                t, self.reader(scheme, {prefix(st.name) + "weight_global_scale": src._read(keys["glob"])}, st.name))
+                t, self.reader(scheme, {prefix(st.name) + "weight_global_scale": src.read(keys["glob"])}, st.name))
         return t
 
 

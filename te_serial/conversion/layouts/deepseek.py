@@ -43,20 +43,20 @@ class DeepSeek(ExternalLayout):
         return qc
 
     def claim(self, src: "SafetensorsSource") -> None:
-        keyset = set(src._where)
-        for k in list(src._where):
+        keyset = set(src.keys())
+        for k in src.keys():
             if not k.endswith("_scale_inv"):
                 continue
             w = k[: -len("_scale_inv")]
             if w not in keyset:
-                src._fail(f"scale tensor has no weight next to it (expected {w!r}, DeepSeek-V3 naming)", k)
-            wd, ws, wb = src._info(w)
-            sd, ss, sb = src._info(k)
+                src.fail(f"scale tensor has no weight next to it (expected {w!r}, DeepSeek-V3 naming)", k)
+            wd, ws, wb = src.info(w)
+            sd, ss, sb = src.info(k)
             if wd != E4M3 or len(ws) != 2:
-                src._fail(f"DeepSeek block FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
+                src.fail(f"DeepSeek block FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
             want = (nx.ceil_div(ws[0], 128), nx.ceil_div(ws[1], 128))
             if sd not in (F32, torch.float8_e8m0fnu) or ss != want:
-                src._fail(f"weight_scale_inv should be F32{list(want)} for a weight of shape {list(ws)} "
+                src.fail(f"weight_scale_inv should be F32{list(want)} for a weight of shape {list(ws)} "
                           f"(one scale per 128x128 block), got {sd}{list(ss)}", k)
             pow2 = src.ue8m0 or sd == torch.float8_e8m0fnu
             src.add_quantized(w, tuple(ws), {"weight": w, "scale": k, "scheme": "fp8_block", "pow2": pow2},
@@ -64,13 +64,13 @@ class DeepSeek(ExternalLayout):
 
     def quantizer_for(self, src, name, scheme):
         q = super().quantizer_for(src, name, scheme)
-        if q == self.representation(scheme) and (src.ue8m0 or src._info(name + "_scale_inv")[0] == torch.float8_e8m0fnu):
+        if q == self.representation(scheme) and (src.ue8m0 or src.info(name + "_scale_inv")[0] == torch.float8_e8m0fnu):
             from .base import representation
             return representation(scheme, pow2=True)
         return q
 
     def load(self, src, st):
-        scale = src._read(st.keys["scale"])
+        scale = src.read(st.keys["scale"])
         if scale.dtype == torch.float8_e8m0fnu:
             scale = nx.e8m0_dequant_scale(scale.view(torch.uint8))
-        return self.finish_load(src, st, src._read(st.keys["weight"]), scale.float())
+        return self.finish_load(src, st, src.read(st.keys["weight"]), scale.float())

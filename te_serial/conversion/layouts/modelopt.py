@@ -188,40 +188,40 @@ class ModelOpt(ExternalLayout):
                 raise UnknownLayoutError(f"ModelOpt quant_algo {a!r} of layer {layer!r} is not read (te-serial reads "
                                          f"{', '.join(_ALGOS)})", file=src.config_file,
                                          field=f"quantized_layers.{layer}.quant_algo")
-        keyset = set(src._where)
-        for k in list(src._where):
+        keyset = set(src.keys())
+        for k in src.keys():
             if not k.endswith(".weight_scale"):
                 continue
             w = k[: -len("_scale")]
             if w not in keyset:
-                src._fail(f"scale tensor has no weight next to it (expected {w!r}, ModelOpt naming)", k)
+                src.fail(f"scale tensor has no weight next to it (expected {w!r}, ModelOpt naming)", k)
             p = prefix(w)
-            wd, ws, wb = src._info(w)
-            sd, ss, sb = src._info(k)
+            wd, ws, wb = src.info(w)
+            sd, ss, sb = src.info(k)
             keys = {"weight": w, "scale": k, "scheme": None}
             nbytes = wb + sb
             if wd == torch.uint8 and sd == E4M3:
                 g = p + "weight_scale_2"
                 if g not in keyset:
-                    src._fail("NVFP4 weight without weight_scale_2 (its global scale)", w)
+                    src.fail("NVFP4 weight without weight_scale_2 (its global scale)", w)
                 n, kh = ws
-                if len(ws) != 2 or ss != (n, kh * 2 // 16) or math.prod(src._info(g)[1]) != 1:
-                    src._fail(f"NVFP4 weight {list(ws)} with weight_scale {list(ss)}: expected [N, K/2] and "
+                if len(ws) != 2 or ss != (n, kh * 2 // 16) or math.prod(src.info(g)[1]) != 1:
+                    src.fail(f"NVFP4 weight {list(ws)} with weight_scale {list(ss)}: expected [N, K/2] and "
                               "[N, K/16] and a scalar weight_scale_2", k)
                 keys.update(scheme="nvfp4", glob=g)
-                nbytes += src._info(g)[2]
+                nbytes += src.info(g)[2]
                 shape = (n, kh * 2)
             elif wd == E4M3 and sd == torch.uint8:
                 n, kk = ws
                 if ss != (n, kk // 32):
-                    src._fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
+                    src.fail(f"MXFP8 weight_scale {list(ss)} for weight {list(ws)}: expected [N, K/32]", k)
                 keys["scheme"], shape = "mxfp8", tuple(ws)
             elif wd == E4M3 and sd == F32 and math.prod(ss) == 1:
                 keys["scheme"], shape = "fp8_tensor", tuple(ws)
             elif wd == E4M3 and sd == F32 and len(ws) == 2 and ss in (_block_scale_shape(*ws), _block_grid(*ws)):
                 keys["scheme"], shape = "fp8_block", tuple(ws)
             else:
-                src._fail(f"ModelOpt weight {w!r} is {wd}{list(ws)} with weight_scale {sd}{list(ss)}: not NVFP4, "
+                src.fail(f"ModelOpt weight {w!r} is {wd}{list(ws)} with weight_scale {sd}{list(ss)}: not NVFP4, "
                           "MXFP8, FP8 or FP8_PB_WO ([N/128, 1, K/128, 1] or [N/128, K/128]) as ModelOpt writes them", k)
             src.add_quantized(w, shape, keys, nbytes, self)
             inp = p + "input_scale"
@@ -230,10 +230,10 @@ class ModelOpt(ExternalLayout):
 
     def load(self, src, st):
         keys, scheme = st.keys, st.keys["scheme"]
-        data, scale = src._read(keys["weight"]), src._read(keys["scale"])
+        data, scale = src.read(keys["weight"]), src.read(keys["scale"])
         amax = None
         if scheme == "nvfp4":
-            ws2 = src._read(keys["glob"]).to(F32).reshape(())
+            ws2 = src.read(keys["glob"]).to(F32).reshape(())
             div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
             fwd = lambda a: a / div  # noqa: E731 - ModelOpt: weight_scale_2 = amax / (6 · 448)
             amax = sidecar_amax(src.sidecar.get(st.name))
@@ -244,7 +244,7 @@ class ModelOpt(ExternalLayout):
         t = self.finish_load(src, st, data, scale, amax)
         if scheme == "nvfp4":
             src.import_checks[st.name] = codes_check(t, self.reader(scheme, {prefix(st.name) + "weight_scale_2":
-                                                                             src._read(keys["glob"])}, st.name))
+                                                                             src.read(keys["glob"])}, st.name))
         return t
 
 
