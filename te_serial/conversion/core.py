@@ -134,22 +134,12 @@ def _parse_usages(usages: str | Sequence[bool] | None) -> tuple[bool, bool] | No
     return r, c
 
 
-_CT_FMT = {"fp8_tensor": "ct_fp8_tensor", "fp8_channel": "ct_fp8_channel", "fp8_block": "ct_fp8_block",
-           "nvfp4": "ct_nvfp4", "mxfp8": "ct_mxfp8"}
-
-
 def _fmt(q, dtype: torch.dtype, family: str, spec: "ExportSpec | None" = None, name: str = "") -> str:
     if q is None:
         return describe_dtype(dtype)
-    if family == "deepseek":
-        return "deepseek_fp8"
     scheme = spec.schemes.get(name) if spec is not None else None
-    if family == "ct":
-        if scheme in ("fp8_tensor", "fp8_channel", None):
-            return "ct_fp8_tensor" if q.scale_per_tensor else "ct_fp8_channel"
-        return _CT_FMT[scheme]
-    if family in LAYOUTS and scheme is not None:
-        return spec.layout.layout_name(scheme)
+    if scheme is not None:
+        return spec.layout.tensor_format(scheme)
     return f"{describe_quantizer(q)}/{usage_label(q)}"
 
 

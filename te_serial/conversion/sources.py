@@ -334,7 +334,7 @@ class SafetensorsSource(Source):
         raise UnknownLayoutError(message, file=file, tensor=key)
 
     def add_quantized(self, name: str, shape: tuple[int, ...], keys: dict, nbytes: int, layout, *,
-                      consumed: list | None = None, uniform_rows: bool = False, fmt: str | None = None) -> None:
+                      consumed: list | None = None, uniform_rows: bool = False) -> None:
         """Called by a layout's ``claim``: ``name`` is a quantized weight held by ``keys``."""
         scheme = keys["scheme"]
         q = layout.quantizer_for(self, name, scheme)
@@ -345,7 +345,7 @@ class SafetensorsSource(Source):
                        f"cannot hold it ({e})", keys["weight"])
         keys = {**keys, "layout": layout}
         self.tensors[name] = SourceTensor(name, TensorProto(tuple(shape), self.dtype, q),
-                                          fmt or layout.layout_name(scheme), "row", nbytes, keys,
+                                          layout.tensor_format(scheme), "row", nbytes, keys,
                                           uniform_rows=uniform_rows)
         self.consumed.update(k for k in (consumed or [keys.get("weight"), keys.get("scale"), keys.get("glob")]) if k)
 

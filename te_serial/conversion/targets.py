@@ -2,10 +2,9 @@
 
 A target is a te-serial recipe (every entry of :data:`te_serial.recipes.RECIPES`, written as a
 te-serial checkpoint), a plain dtype (``bf16``/``fp16``/``fp32``: a Hugging Face-style
-safetensors checkpoint any HF loader reads), or a serving layout: ModelOpt (``modelopt_nvfp4``,
-``modelopt_mxfp8``, ``modelopt_fp8``, ``modelopt_fp8_pb_wo``), compressed-tensors
-(``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp8``, ``compressed_tensors_fp8``,
-``compressed_tensors_fp8_tensor``, ``compressed_tensors_fp8_block``) or ``deepseek_fp8``. Plain dtypes mix with any other target
+safetensors checkpoint any HF loader reads), or a serving layout, as each layout offers it
+(``ExternalLayout.offers``: ModelOpt ``modelopt_*``, compressed-tensors ``compressed_tensors_*``,
+``deepseek_fp8``). Plain dtypes mix with any other target
 (they mean "a plain tensor of that dtype"); te-serial recipes and each serving layout do not mix,
 since they are different file layouts; several weight schemes of one serving layout make a mixed
 export (ModelOpt ``MIXED_PRECISION``, compressed-tensors config groups).
@@ -27,6 +26,7 @@ from ..errors import ConversionError
 from ..formats import Quantizer
 from ..precision import HIGH_PRECISION_PATTERNS, stays_high_precision
 from ..recipes import RECIPES, recipe_quantizer
+from .layouts import FAMILIES as LAYOUTS
 
 __all__ = ["Target", "KEEP", "TARGETS", "target", "target_names", "Rules", "load_rules",
            "DEFAULT_KEEP_PATTERNS", "describe_quantizer", "describe_dtype", "usage_label"]
@@ -47,7 +47,6 @@ class Target:
     family: str
     description: str
     dtype: torch.dtype | None = None      # plain targets
-    strategy: str | None = None           # compressed-tensors FP8: "channel" or "tensor"
     scheme: str | None = None             # serving layouts: the weight scheme (layouts/base.py)
     layout: str | None = None             # serving layouts: the layout's name in reports
 
@@ -65,56 +64,16 @@ def _build_targets() -> dict[str, Target]:
     out["bf16"] = Target("bf16", "plain", "plain BF16 (Hugging Face safetensors)", dtype=torch.bfloat16)
     out["fp16"] = Target("fp16", "plain", "plain FP16 (Hugging Face safetensors)", dtype=torch.float16)
     out["fp32"] = Target("fp32", "plain", "plain FP32 (Hugging Face safetensors)", dtype=torch.float32)
-    out["deepseek_fp8"] = Target(
-        "deepseek_fp8", "deepseek",
-        "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 block",
-        scheme="fp8_block", layout="deepseek_fp8")
-    out["compressed_tensors_fp8"] = Target(
-        "compressed_tensors_fp8", "ct",
-        "compressed-tensors float-quantized FP8 E4M3, one weight scale per output channel",
-        strategy="channel", scheme="fp8_channel", layout="compressed_tensors_fp8")
-    out["compressed_tensors_fp8_tensor"] = Target(
-        "compressed_tensors_fp8_tensor", "ct",
-        "compressed-tensors float-quantized FP8 E4M3, one weight scale per tensor", strategy="tensor",
-        scheme="fp8_tensor", layout="compressed_tensors_fp8")
-    out["compressed_tensors_fp8_block"] = Target(
-        "compressed_tensors_fp8_block", "ct",
-        "compressed-tensors float-quantized FP8 E4M3, fp32 weight_scale per 128x128 block (llm-compressor's "
-        "FP8_BLOCK), dynamic per-token-group activations", strategy="block", scheme="fp8_block",
-        layout="compressed_tensors_fp8_block")
-    out["compressed_tensors_nvfp4"] = Target(
-        "compressed_tensors_nvfp4", "ct",
-        "compressed-tensors nvfp4-pack-quantized: weight_packed, E4M3 weight_scale per 16, "
-        "weight_global_scale = 6*448/amax", scheme="nvfp4", layout="compressed_tensors_nvfp4")
-    out["compressed_tensors_mxfp8"] = Target(
-        "compressed_tensors_mxfp8", "ct",
-        "compressed-tensors mxfp8-quantized: E4M3 weight, E8M0 (U8) weight_scale per 32",
-        scheme="mxfp8", layout="compressed_tensors_mxfp8")
-    out["modelopt_nvfp4"] = Target(
-        "modelopt_nvfp4", "modelopt",
-        "ModelOpt NVFP4 (hf_quant_config.json): U8 weight, E4M3 weight_scale per 16, "
-        "weight_scale_2 = amax/(6*448)", scheme="nvfp4", layout="modelopt_nvfp4")
-    out["modelopt_mxfp8"] = Target(
-        "modelopt_mxfp8", "modelopt", "ModelOpt MXFP8: E4M3 weight, E8M0 (U8) weight_scale per 32",
-        scheme="mxfp8", layout="modelopt_mxfp8")
-    out["modelopt_fp8"] = Target(
-        "modelopt_fp8", "modelopt",
-        "ModelOpt FP8: E4M3 weight, one fp32 weight_scale, static input_scale (needs activation amax)",
-        scheme="fp8_tensor", layout="modelopt_fp8")
-    out["modelopt_fp8_pb_wo"] = Target(
-        "modelopt_fp8_pb_wo", "modelopt",
-        "ModelOpt FP8_PB_WO (quant_algo fp8_pb_wo): E4M3 weight, fp32 weight_scale [N/128,1,K/128,1], weight-only",
-        scheme="fp8_block", layout="modelopt_fp8_pb_wo")
+    for family, layout in LAYOUTS.items():   # the serving layouts: each one's own declarations
+        for scheme, offer in layout.offers.items():
+            out[offer.target] = Target(offer.target, family, offer.description, scheme=scheme,
+                                       layout=layout.layout_name(scheme))
     return out
 
 
 TARGETS: dict[str, Target] = _build_targets()
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-            "deepseek": "deepseek_fp8", "compressed-tensors": "compressed_tensors_fp8",
-            "ct_fp8": "compressed_tensors_fp8", "ct_fp8_tensor": "compressed_tensors_fp8_tensor",
-            "ct_fp8_block": "compressed_tensors_fp8_block",
-            "ct_nvfp4": "compressed_tensors_nvfp4", "ct_mxfp8": "compressed_tensors_mxfp8",
-            "modelopt_fp8_block": "modelopt_fp8_pb_wo"}
+            **{a: o.target for lay in LAYOUTS.values() for o in lay.offers.values() for a in o.aliases}}
 
 
 def target_names() -> list[str]:

@@ -36,22 +36,48 @@ ROW = ROWWISE
 E4M3 = torch.float8_e4m3fn
 F32 = torch.float32
 
-SCHEMES = ("nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block")
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One way the serving layouts store a quantized ``*.weight``, declared once: the te-serial
+    quantizer (rowwise) whose bytes are what the layouts store, and the form of the stored scale."""
+
+    name: str
+    make: Callable[[bool], Quantizer]   # pow2 → the representation (pow2: power-of-two fp32 scales)
+    stored: str   # "codes": E4M3 block-scale bytes; "exponents": E8M0 bytes as U8; "tensor": one fp32;
+                  # "channel": fp32 [N, 1] (every row's blocks share one); "blocks": the fp32 grid
+    two_level: bool = False  # a tensor amax above the block scales (the layouts' global scale)
+
+    def representation(self, pow2: bool = False) -> Quantizer:
+        return self.make(pow2)
+
+
+#: every weight scheme, by name: the layouts' offers (``ExternalLayout.offers``) refer to these
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("nvfp4", lambda pow2: NVFP4Quantizer(rowwise=True, columnwise=False), "codes", two_level=True),
+    Scheme("mxfp8", lambda pow2: MXFP8Quantizer(E4M3, rowwise=True, columnwise=False), "exponents"),
+    Scheme("fp8_tensor", lambda pow2: Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False), "tensor"),
+    Scheme("fp8_channel", lambda pow2: Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=1,
+                                                           force_pow_2_scales=pow2), "channel"),
+    Scheme("fp8_block", lambda pow2: Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=2,
+                                                         force_pow_2_scales=pow2), "blocks"),
+)}
+
+#: how each stored form is cut from a usage's valid scale grid ([row blocks, col blocks])
+_STORED: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+    "codes": lambda grid, dt: grid.contiguous().view(dt),                  # E4M3 bytes
+    "exponents": lambda grid, dt: grid.contiguous().view(torch.uint8),     # E8M0 exponents as U8
+    "tensor": lambda grid, dt: grid.reshape(()).clone(),
+    "channel": lambda grid, dt: grid[:, :1].contiguous(),                  # rows share one scale
+    "blocks": lambda grid, dt: grid.contiguous(),
+}
 
 
 def representation(scheme: str, pow2: bool = False) -> Quantizer:
     """The te-serial quantizer (rowwise only) whose bytes are what ``scheme`` stores."""
-    if scheme == "nvfp4":
-        return NVFP4Quantizer(rowwise=True, columnwise=False)
-    if scheme == "mxfp8":
-        return MXFP8Quantizer(E4M3, rowwise=True, columnwise=False)
-    if scheme == "fp8_tensor":
-        return Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False)
-    if scheme == "fp8_channel":
-        return Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=1, force_pow_2_scales=pow2)
-    if scheme == "fp8_block":
-        return Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=2, force_pow_2_scales=pow2)
-    raise ValueError(f"unknown weight scheme {scheme!r}")
+    try:
+        return SCHEMES[scheme].representation(pow2)
+    except KeyError:
+        raise ValueError(f"unknown weight scheme {scheme!r}") from None
 
 
 def prefix(name: str) -> str:
@@ -84,16 +110,7 @@ def split(t: QuantizedTensorStorage, scheme: str) -> WeightParts:
     vals = q.value_dtypes()
     data = b[lay.data].view(vals[lay.data])
     grid = q.block_scales(b, shape, ROW)              # valid region, [row blocks, col blocks]
-    if scheme == "nvfp4":
-        scale = grid.contiguous().view(vals[lay.scale])            # E4M3 bytes
-    elif scheme == "mxfp8":
-        scale = grid.contiguous().view(torch.uint8)                # E8M0 exponents as U8
-    elif scheme == "fp8_tensor":
-        scale = grid.reshape(()).clone()
-    elif scheme == "fp8_channel":
-        scale = grid[:, :1].contiguous()                           # rows share one scale
-    else:
-        scale = grid.contiguous()
+    scale = _STORED[SCHEMES[scheme].stored](grid, vals.get(lay.scale, grid.dtype))
     amax = b[lay.amax].reshape(()).clone() if lay.amax is not None else None
     return WeightParts(data, scale, amax, q.global_scale_divisor())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -38,20 +39,44 @@ def parse_mode(mode: str | None) -> str:
     return m
 
 
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """One conversion target a layout offers: a weight scheme (:data:`~.base.SCHEMES`) written in
+    the layout's convention. The target table, its aliases, the CLI's help, import detection and
+    the report's names all come from these declarations."""
+
+    target: str                       # the name ``convert(recipe=...)`` takes
+    description: str
+    modes: Mapping[str, str]          # activation mode → the layout's name for the combination
+    name: str = ""                    # the layout's name in reports, where targets share one (else target)
+    fmt: str = ""                     # a tensor's format in reports (else the layout's name)
+    aliases: tuple[str, ...] = ()
+
+
 class ExternalLayout:
     """One serving layout (a family of conversion targets)."""
 
     family: str = ""
-    #: scheme → {activation mode → the name the layout gives that combination}
-    modes: dict[str, dict[str, str]] = {}
+    #: weight scheme → what the layout offers for it (its target, name, activation modes)
+    offers: dict[str, Offer] = {}
     #: files this layout writes besides the shards, index and config.json
     extra_file_names: tuple[str, ...] = ()
     #: the report's name for an export holding several weight schemes ("": the layout has none)
     mixed_name: str = ""
 
     # --- naming ------------------------------------------------------------------------------
+    @property
+    def modes(self) -> dict[str, Mapping[str, str]]:
+        """scheme → {activation mode → the name the layout gives that combination}."""
+        return {s: o.modes for s, o in self.offers.items()}
+
     def layout_name(self, scheme: str) -> str:
-        raise NotImplementedError
+        o = self.offers[scheme]
+        return o.name or o.target
+
+    def tensor_format(self, scheme: str) -> str:
+        """A weight's format as reports name it."""
+        return self.offers[scheme].fmt or self.layout_name(scheme)
 
     def representation(self, scheme: str) -> Quantizer:
         return representation(scheme)

@@ -31,7 +31,7 @@ import torch
 from ... import numerics as nx
 from ...errors import UnknownLayoutError
 from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
-from .common import ExternalLayout, sidecar_amax
+from .common import ExternalLayout, Offer, sidecar_amax
 from .modelopt import e2m1_values, e4m3_values, require_nvfp4_global_scale
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,19 +60,26 @@ class CompressedTensors(ExternalLayout):
     mixed_name = "compressed_tensors_mixed"
     shared_scales = {"nvfp4": ("weight_global_scale", "input_global_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
                      "fp8_channel": ("input_scale",), "mxfp8": ()}
-    modes = {
-        "nvfp4": {"weight_only": "NVFP4A16", "static": "NVFP4 (W4A4)"},
-        "mxfp8": {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"},
-        "fp8_channel": {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
-                        "static": "FP8 (W8A8, static per-tensor activation scales)"},
-        "fp8_tensor": {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
-                       "static": "FP8 (W8A8, static per-tensor activation scales)"},
-        "fp8_block": {"dynamic": "FP8_BLOCK (W8A8, activation scales per token group of 128)"},
+    _FP8_MODES = {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
+                  "static": "FP8 (W8A8, static per-tensor activation scales)"}
+    offers = {
+        "fp8_channel": Offer("compressed_tensors_fp8", "compressed-tensors float-quantized FP8 E4M3, one weight scale "
+                             "per output channel", _FP8_MODES, fmt="ct_fp8_channel",
+                             aliases=("compressed-tensors", "ct_fp8")),
+        "fp8_tensor": Offer("compressed_tensors_fp8_tensor", "compressed-tensors float-quantized FP8 E4M3, one weight "
+                            "scale per tensor", _FP8_MODES, name="compressed_tensors_fp8", fmt="ct_fp8_tensor",
+                            aliases=("ct_fp8_tensor",)),
+        "fp8_block": Offer("compressed_tensors_fp8_block", "compressed-tensors float-quantized FP8 E4M3, fp32 "
+                           "weight_scale per 128x128 block (llm-compressor's FP8_BLOCK), dynamic per-token-group "
+                           "activations", {"dynamic": "FP8_BLOCK (W8A8, activation scales per token group of 128)"},
+                           fmt="ct_fp8_block", aliases=("ct_fp8_block",)),
+        "nvfp4": Offer("compressed_tensors_nvfp4", "compressed-tensors nvfp4-pack-quantized: weight_packed, E4M3 "
+                       "weight_scale per 16, weight_global_scale = 6*448/amax",
+                       {"weight_only": "NVFP4A16", "static": "NVFP4 (W4A4)"}, fmt="ct_nvfp4", aliases=("ct_nvfp4",)),
+        "mxfp8": Offer("compressed_tensors_mxfp8", "compressed-tensors mxfp8-quantized: E4M3 weight, E8M0 (U8) "
+                       "weight_scale per 32", {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"}, fmt="ct_mxfp8",
+                       aliases=("ct_mxfp8",)),
     }
-
-    def layout_name(self, scheme):
-        return {"nvfp4": "compressed_tensors_nvfp4", "mxfp8": "compressed_tensors_mxfp8",
-                "fp8_block": "compressed_tensors_fp8_block"}.get(scheme, "compressed_tensors_fp8")
 
     # --- export -----------------------------------------------------------------------------------
     def weight_keys(self, name, shape, scheme):
@@ -235,7 +242,7 @@ class CompressedTensors(ExternalLayout):
             if zp in keyset:
                 keys["zero_point"] = zp
             src.add_quantized(name, shape, keys, nbytes, self, consumed=[w, k, keys.get("glob"), keys.get("zero_point")],
-                              uniform_rows=scheme == "fp8_channel", fmt="ct_" + scheme)
+                              uniform_rows=scheme == "fp8_channel")
             act = p + ("input_global_scale" if scheme == "nvfp4" else "input_scale")
             if act in keyset:
                 src.add_activation(module_of(name), act, self, scheme)

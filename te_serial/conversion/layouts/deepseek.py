@@ -14,7 +14,7 @@ import torch
 
 from ... import numerics as nx
 from .base import E4M3, F32, split
-from .common import ExternalLayout
+from .common import ExternalLayout, Offer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
@@ -22,10 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class DeepSeek(ExternalLayout):
     family = "deepseek"
-    modes = {"fp8_block": {"dynamic": "dynamic per-token-group FP8"}}
-
-    def layout_name(self, scheme):
-        return "deepseek_fp8"
+    offers = {"fp8_block": Offer("deepseek_fp8", "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per "
+                                 "128x128 block", {"dynamic": "dynamic per-token-group FP8"}, aliases=("deepseek",))}
 
     def weight_keys(self, name, shape, scheme):
         n, k = shape
@@ -60,7 +58,7 @@ class DeepSeek(ExternalLayout):
                           f"(one scale per 128x128 block), got {sd}{list(ss)}", k)
             pow2 = src.ue8m0 or sd == torch.float8_e8m0fnu
             src.add_quantized(w, tuple(ws), {"weight": w, "scale": k, "scheme": "fp8_block", "pow2": pow2},
-                              wb + sb, self, fmt="deepseek_fp8")
+                              wb + sb, self)
 
     def quantizer_for(self, src, name, scheme):
         q = super().quantizer_for(src, name, scheme)

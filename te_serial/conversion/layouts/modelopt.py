@@ -35,14 +35,12 @@ from ... import numerics as nx
 from ..._version import __version__
 from ...errors import ConversionError, UnknownLayoutError
 from .base import E4M3, F32, ROW, codes_check, module_of, prefix, solve_amax, split
-from .common import ExternalLayout, sidecar_amax
+from .common import ExternalLayout, Offer, sidecar_amax
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
-_NAMES = {"nvfp4": "modelopt_nvfp4", "mxfp8": "modelopt_mxfp8", "fp8_tensor": "modelopt_fp8",
-          "fp8_block": "modelopt_fp8_pb_wo"}
 _ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8", "FP8": "fp8_tensor", "FP8_PB_WO": "fp8_block"}
 _BLOCK = 128
 _GROUP = {"nvfp4": 16, "mxfp8": 32}
@@ -76,17 +74,21 @@ def require_nvfp4_global_scale(name: str, t, layout: str) -> None:
 
 class ModelOpt(ExternalLayout):
     family = "modelopt"
-    modes = {"nvfp4": {"weight_only": "W4A16_NVFP4", "static": "NVFP4"},
-             "mxfp8": {"dynamic": "MXFP8"},
-             "fp8_tensor": {"static": "FP8"},
-             "fp8_block": {"weight_only": "fp8_pb_wo"}}
+    offers = {
+        "nvfp4": Offer("modelopt_nvfp4", "ModelOpt NVFP4 (hf_quant_config.json): U8 weight, E4M3 weight_scale per 16, "
+                       "weight_scale_2 = amax/(6*448)", {"weight_only": "W4A16_NVFP4", "static": "NVFP4"}),
+        "mxfp8": Offer("modelopt_mxfp8", "ModelOpt MXFP8: E4M3 weight, E8M0 (U8) weight_scale per 32",
+                       {"dynamic": "MXFP8"}),
+        "fp8_tensor": Offer("modelopt_fp8", "ModelOpt FP8: E4M3 weight, one fp32 weight_scale, static input_scale "
+                            "(needs activation amax)", {"static": "FP8"}),
+        "fp8_block": Offer("modelopt_fp8_pb_wo", "ModelOpt FP8_PB_WO (quant_algo fp8_pb_wo): E4M3 weight, fp32 "
+                           "weight_scale [N/128,1,K/128,1], weight-only", {"weight_only": "fp8_pb_wo"},
+                           aliases=("modelopt_fp8_block",)),
+    }
     extra_file_names = (HF_QUANT_CONFIG,)
     mixed_name = "modelopt_mixed"
     shared_scales = {"nvfp4": ("weight_scale_2", "input_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
                      "mxfp8": ("input_scale",), "fp8_block": ("input_scale",)}
-
-    def layout_name(self, scheme):
-        return _NAMES.get(scheme, "modelopt")
 
     # --- export -----------------------------------------------------------------------------------
     def weight_keys(self, name, shape, scheme):
