@@ -13,7 +13,8 @@ from .formats.slicing import slice_quantized
 from .proto import TensorProto, to_tensor_proto
 from .checkpoint import (Checkpoint, CheckpointWriter, load_quantized, read_protos, save_quantized,
                          verify)
-from .checkpoint import open_checkpoint as open  # noqa: A001 - te_serial.open, as safetensors' safe_open
+# te_serial.open, as safetensors' safe_open; not in __all__, so `from te_serial import *` leaves the builtin
+from .checkpoint import open_checkpoint as open  # noqa: A001
 from .te_interop import from_te, to_te
 from .te_spec import from_te_spec, to_te_spec
 from .model import load_into, materialize, plan, quantize_model
@@ -22,7 +23,7 @@ from .serving import export_tensors
 
 __all__ = [
     "__version__",
-    "save_quantized", "load_quantized", "open", "read_protos", "verify", "convert", "export_tensors",
+    "save_quantized", "load_quantized", "read_protos", "verify", "convert", "export_tensors",
     "load_into", "quantize_model", "materialize", "plan", "Checkpoint", "CheckpointWriter",
     "TensorProto", "to_tensor_proto", "slice_quantized",
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",

@@ -763,3 +763,10 @@ def test_verify_catches_a_flipped_byte(tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(tse.ChecksumError, match="_rowwise_data"):
         ts.verify(bad)
+
+
+def test_the_published_schema_is_the_one_the_package_ships():
+    """schema/manifest-v1.schema.json (what a stranger reads) and the package data the reader
+    validates against (te_serial/checkpoint/) are one document: byte-identical."""
+    shipped = ROOT / "te_serial" / "checkpoint" / "manifest-v1.schema.json"
+    assert (ROOT / "schema" / "manifest-v1.schema.json").read_bytes() == shipped.read_bytes()

@@ -6,6 +6,8 @@
     python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint;
                                        # a ~2 GiB BF16 HF directory quantized on load vs convert + load_into
     python tools/bench.py convert      # BF16 -> MXFP8 conversion: GB/s and peak RSS for 1 and 3 GiB sources
+    python tools/bench.py export       # NVFP4 / MXFP8 -> each serving layout vs a safetensors copy (disk, tmpfs);
+                                       # export_tensors GB/s of source
     python tools/bench.py dcp          # ~1 GiB quantized state on 2 ranks: DCP save / load / 2->4 load vs
                                        # DCP's FileSystemWriter; bytes read by a sliced load of 1/4 of the rows
 
@@ -652,9 +654,16 @@ def main(argv=None) -> int:
     d.add_argument("--dir", default=None)
     import bench_convert  # noqa: E402 - tools/ is this script's directory
     bench_convert.add_parser(sub)
+    e = sub.add_parser("export", help="NVFP4 / MXFP8 checkpoints into every serving layout vs a safetensors copy; "
+                                      "export_tensors GB/s")
+    e.add_argument("--export-gib", type=float, default=1.0, help="size of each source (GiB)")
+    e.add_argument("--export-shape", default="8192x4096", help="its tensors' shape")
+    e.add_argument("--repeat", type=int, default=3, help="runs of each side (median)")
+    e.add_argument("--dir", default=None, help="where to write on disk (default: the system temp dir)")
     args = parser.parse_args(argv)
     {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
-     "convert": bench_convert.run}[args.which](args)
+     "convert": bench_convert.run,
+     "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)
     return 0
 
 

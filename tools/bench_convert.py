@@ -1,5 +1,6 @@
 """``tools/bench.py convert``: a BF16 Hugging Face checkpoint → te-serial MXFP8, streaming; and an
-export line: te-serial NVFP4 → ModelOpt NVFP4 next to a plain safetensors copy of the same bytes.
+export line: te-serial NVFP4 → ModelOpt NVFP4 next to a plain safetensors copy of the same bytes
+(``tools/bench.py export``: NVFP4 and MXFP8 into every serving layout, and ``export_tensors``).
 
 For a 1 GiB and a 3 GiB source with the same largest tensor, it prints GB/s of source and the
 peak RSS of a child process doing only the conversion (``resource.getrusage``), then the two
@@ -167,11 +168,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 mode, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
-tc = importlib.import_module("te_serial.conversion") if mode == "export" else None
+mode, _, layout = mode.partition(":")
+ts = importlib.import_module("te_serial") if mode != "copy" else None
 t0 = time.perf_counter()  # imports are done on both sides: the clock times the work alone
 if mode == "export":
-    rep = tc.convert(src, dst, recipe="modelopt_nvfp4", max_shard_size="1GB")
+    rep = ts.convert(src, dst, recipe=layout, max_shard_size="1GB")
     nbytes, labels = rep.dst_bytes, rep.counts()
+elif mode == "stream":  # export_tensors: every tensor handed over, nothing written; GB/s of source
+    nbytes, labels = 0, {}
+    for name, t in ts.export_tensors(src, layout):
+        labels[str(t.dtype)] = labels.get(str(t.dtype), 0) + 1
+    nbytes = sum(p.stat().st_size for p in Path(src).glob("*.safetensors"))
 else:  # a plain safetensors copy of the same bytes: every tensor read, written with save_file, fsync'd
     os.makedirs(dst, exist_ok=True)
     nbytes, labels = 0, {}
@@ -192,13 +199,20 @@ print(json.dumps({"seconds": sec, "bytes": nbytes, "peak_rss": resource.getrusag
 """
 
 
-def make_nvfp4_source(path: Path, total_bytes: int, shape: tuple[int, int], seed: int = 0) -> dict:
-    """A te-serial checkpoint of rowwise NVFP4 weights (TE's inference layout) of ~``total_bytes``,
-    built from random codes, block scales and amaxes (quantizing this much on 2 cores would take an
-    hour; the export moves bytes, so their values do not matter)."""
+#: the export matrix: te-serial source recipe → the serving layouts that hold its bytes exactly
+EXPORTS = {"nvfp4": ("modelopt_nvfp4", "compressed_tensors_nvfp4"), "mxfp8": ("modelopt_mxfp8", "compressed_tensors_mxfp8")}
+
+
+def make_export_source(path: Path, total_bytes: int, shape: tuple[int, int], recipe: str = "nvfp4",
+                       seed: int = 0) -> dict:
+    """A te-serial checkpoint of rowwise NVFP4 or MXFP8 weights (TE's inference layout) of
+    ~``total_bytes``, built from random codes, block scales and amaxes (quantizing this much on 2
+    cores would take an hour; the export moves bytes, so their values do not matter)."""
     import te_serial as ts
+    from te_serial.recipes import recipe_quantizer
     g = torch.Generator().manual_seed(seed)
-    q = ts.NVFP4Quantizer(rowwise=True, columnwise=False)
+    q = recipe_quantizer(recipe, rowwise=True, columnwise=False)
+    lay = q.usage_layout("rowwise")
     per = q.nbytes(shape)
     n = max(1, total_bytes // per)
     protos = {f"model.layers.{i}.mlp.up_proj.weight": ts.TensorProto(shape, torch.bfloat16, q) for i in range(n)}
@@ -206,10 +220,14 @@ def make_nvfp4_source(path: Path, total_bytes: int, shape: tuple[int, int], seed
     with CheckpointWriter(path, protos, max_shard_size="1GB") as w:
         for name in protos:
             b = q.alloc_tensors(shape)
-            b["_rowwise_data"].copy_(torch.randint(0, 256, b["_rowwise_data"].shape, dtype=torch.uint8, generator=g))
-            scales = torch.randint(0x28, 0x60, (shape[0], shape[1] // 16), dtype=torch.uint8, generator=g)
-            b["_rowwise_scale_inv"].copy_(q.scale_buffer(scales, shape, "rowwise"))
-            b["_amax_rowwise"].fill_(float(torch.rand((), generator=g)) * 4 + 0.5)
+            data = b[lay.data].view(torch.uint8)
+            data.copy_(torch.randint(0, 256, data.shape, dtype=torch.uint8, generator=g) & (0xFF if lay.pack == 2 else 0x7E))
+            grid = (shape[0], shape[1] // lay.grid[1])
+            scales = torch.randint(0x28, 0x60, grid, dtype=torch.uint8, generator=g) if lay.pack == 2 else \
+                torch.randint(110, 140, grid, dtype=torch.uint8, generator=g)
+            b[lay.scale].copy_(q.scale_buffer(scales, shape, "rowwise"))
+            if lay.amax is not None:
+                b[lay.amax].fill_(float(torch.rand((), generator=g)) * 4 + 0.5)
             w.write(name, q.tensor_class(shape, torch.bfloat16, q, **b))
     return {"bytes": n * per, "tensors": n}
 
@@ -222,52 +240,64 @@ def _export_child(mode: str, src: Path, dst: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _export_ab(args, where: str | None, shape: tuple[int, int]) -> dict:
-    """Copy and export of one NVFP4 source in ``where`` (None: the system temp dir), A/B
-    interleaved: {"copy" | "export": (median GB/s, the best run's row)}."""
+def _export_ab(args, where: str | None, shape: tuple[int, int], recipe: str = "nvfp4",
+               layouts: tuple[str, ...] = ("modelopt_nvfp4",)) -> dict:
+    """A plain copy and each layout's export of one ``recipe`` source in ``where`` (None: the system
+    temp dir), A/B interleaved, then ``export_tensors`` into the first layout: {mode: (median GB/s,
+    the best run's row)}, modes "copy", "export:<layout>" and "stream:<layout>"."""
     work = Path(tempfile.mkdtemp(prefix="te-serial-bench-export-", dir=where))
+    modes = ["copy", *(f"export:{lay}" for lay in layouts)]
     try:
-        src = work / "te-nvfp4"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "_make_nvfp4", str(src),
-                        str(int(args.export_gib * 2 ** 30)), args.export_shape], check=True, capture_output=True)
+        src = work / f"te-{recipe}"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "_make_export", str(src),
+                        str(int(args.export_gib * 2 ** 30)), args.export_shape, recipe], check=True, capture_output=True)
         rows = []
         for rep in range(args.repeat):
-            for mode in ("copy", "export"):  # interleaved, A/B
-                dst = work / f"{mode}-{rep}"
+            for mode in modes:  # interleaved, A/B
+                dst = work / f"{mode.replace(':', '-')}-{rep}"
                 os.sync()  # each side starts with the previous run's writes and deletions on disk
                 rows.append((mode, _export_child(mode, src, dst)))
                 shutil.rmtree(dst, ignore_errors=True)
+        for _ in range(args.repeat):
+            rows.append((f"stream:{layouts[0]}", _export_child(f"stream:{layouts[0]}", src, work / "none")))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = {}
-    for m in ("copy", "export"):
+    for m in dict.fromkeys(mm for mm, _ in rows):
         runs = [r for mm, r in rows if mm == m]
         rates = sorted(r["bytes"] / r["seconds"] for r in runs)
         out[m] = (rates[len(rates) // 2], max(runs, key=lambda r: r["bytes"] / r["seconds"]))
     return out
 
 
-def run_export(args) -> None:
-    """The export line: NVFP4 te-serial -> ModelOpt (an exact relayout) against a plain safetensors
-    copy of the same bytes, each in a child process (GB/s of bytes written, peak RSS); on disk
-    (``--dir``), and again in a RAM file system when there is one (the CPU side alone: this VM's
-    page-cache writes vary up to 4x from minute to minute, and with the memory traffic around them)."""
+def run_export(args, recipes: tuple[str, ...] = ("nvfp4",)) -> None:
+    """The export lines: a te-serial ``recipe`` checkpoint -> each serving layout that holds its bytes
+    (an exact relayout) against a plain safetensors copy of the same bytes, each in a child process
+    (GB/s of bytes written, peak RSS); on disk (``--dir``), and again in a RAM file system when there
+    is one (the CPU side alone: this VM's page-cache writes vary up to 4x from minute to minute).
+    Then ``export_tensors`` (weight sync, nothing written): GB/s of source bytes handed over."""
     shape = _parse_shape(args.export_shape)
     places = [("disk", args.dir)]
     shm = Path("/dev/shm")
     if shm.is_dir() and shutil.disk_usage(shm).free > 4 * args.export_gib * 2 ** 30:
         places.append(("tmpfs", str(shm)))
-    print(f"export: te-serial NVFP4 (rowwise, {shape[0]}x{shape[1]} tensors, ~{args.export_gib:.2f} GiB) "
-          f"-> ModelOpt NVFP4, vs a plain safetensors copy of the same bytes (read + save_file + fsync); "
-          f"median of {args.repeat}, A/B interleaved")
-    print(f"{'':>28}{'GB/s':>8}{'peak RSS MB':>13}")
-    for label, where in places:
-        res = _export_ab(args, where, shape)
-        (c_rate, c), (e_rate, e) = res["copy"], res["export"]
-        print(f"{'safetensors copy, ' + label:>28}{c_rate / 1e9:>8.3f}{c['peak_rss'] / 1e6:>13.0f}")
-        print(f"{'export modelopt_nvfp4, ' + label:>28}{e_rate / 1e9:>8.3f}{e['peak_rss'] / 1e6:>13.0f}"
-              f"   labels {e['labels']}")
-        print(f"export / copy on {label} = {e_rate / c_rate:.2f} (an exact relayout should be >= 0.5)")
+    for recipe in recipes:
+        layouts = EXPORTS[recipe]
+        print(f"export: te-serial {recipe} (rowwise, {shape[0]}x{shape[1]} tensors, ~{args.export_gib:.2f} GiB) "
+              f"-> {', '.join(layouts)}, vs a plain safetensors copy of the same bytes (read + save_file + fsync); "
+              f"median of {args.repeat}, A/B interleaved")
+        print(f"{'':>44}{'GB/s':>8}{'peak RSS MB':>13}")
+        for label, where in places:
+            res = _export_ab(args, where, shape, recipe, layouts)
+            c_rate, c = res["copy"]
+            print(f"{'safetensors copy, ' + label:>44}{c_rate / 1e9:>8.3f}{c['peak_rss'] / 1e6:>13.0f}")
+            for lay in layouts:
+                e_rate, e = res[f"export:{lay}"]
+                print(f"{lay + ', ' + label:>44}{e_rate / 1e9:>8.3f}{e['peak_rss'] / 1e6:>13.0f}"
+                      f"   {e_rate / c_rate:.2f}x copy (target >= 0.5)   labels {e['labels']}")
+            s_rate, s = res[f"stream:{layouts[0]}"]
+            print(f"{'export_tensors ' + layouts[0] + ', ' + label:>44}{s_rate / 1e9:>8.3f}{s['peak_rss'] / 1e6:>13.0f}"
+                  f"   GB/s of source (target >= 1.0)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -341,8 +371,8 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_make_nvfp4"]:
-        print(json.dumps(make_nvfp4_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))
+    if argv[:1] == ["_make_export"]:
+        print(json.dumps(make_export_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]), argv[4])))
         return 0
     if argv[:1] == ["_make"]:
         print(json.dumps(make_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))
