@@ -13,7 +13,7 @@ import torch
 from ...errors import ConversionError
 from ...formats import Quantizer
 from ...formats.base import QuantizedTensorStorage, spread_scales
-from .base import ROW, F32, assemble, representation
+from .base import ROW, F32, assemble, representation, solve_amax
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource, SourceTensor
@@ -188,6 +188,22 @@ class ExternalLayout:
         except Exception:  # a sidecar that does not parse is ignored, never trusted
             return rep
         return q if _same_rowwise(q, rep) else rep
+
+    def global_amax(self, src: "SafetensorsSource", st: "SourceTensor", stored: torch.Tensor,
+                    forward: Callable[[torch.Tensor], torch.Tensor], guess: torch.Tensor, key: str) -> torch.Tensor:
+        """The fp32 tensor amax of an imported two-level weight: one whose ``forward`` is the stored
+        global scale bit for bit (te-serial's own from the sidecar where it still is, else searched
+        near ``guess``). Where no fp32 amax gives those bits, the nearest, and the import's notes
+        say what a re-export will write instead."""
+        amax = sidecar_amax(src.sidecar.get(st.name))
+        if amax is not None and torch.equal(forward(amax).view(torch.int32), stored.view(torch.int32)):
+            return amax
+        amax, found = solve_amax(stored, forward, guess)
+        if not found:
+            src.notes.setdefault(st.name, f"{key} {float(stored)!r} is the global scale of no fp32 amax: the values "
+                                          f"are held within the stated ulp bound, and a re-export writes "
+                                          f"{float(forward(amax))!r}")
+        return amax
 
     def finish_load(self, src: "SafetensorsSource", st: "SourceTensor", data: torch.Tensor, scale: torch.Tensor,
                     amax: torch.Tensor | None = None) -> QuantizedTensorStorage:

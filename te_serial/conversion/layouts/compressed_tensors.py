@@ -30,8 +30,8 @@ import torch
 
 from ... import numerics as nx
 from ...errors import UnknownLayoutError
-from .base import E4M3, F32, codes_check, module_of, prefix, solve_amax, split
-from .common import ExternalLayout, Offer, sidecar_amax
+from .base import E4M3, F32, codes_check, module_of, prefix, split
+from .common import ExternalLayout, Offer
 from .modelopt import e2m1_values, e4m3_values, require_nvfp4_global_scale
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -261,9 +261,7 @@ class CompressedTensors(ExternalLayout):
             gs = src.read(keys["glob"]).to(F32).reshape(())
             div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
             fwd = lambda a: 1 / (a / div)  # noqa: E731 - the reciprocal of ModelOpt's amax / (6 · 448)
-            amax = sidecar_amax(src.sidecar.get(st.name))
-            if amax is None or not torch.equal(fwd(amax).view(torch.int32), gs.view(torch.int32)):
-                amax, _ = solve_amax(gs, fwd, div / gs)
+            amax = self.global_amax(src, st, gs, fwd, div / gs, "weight_global_scale")
         elif scheme == "fp8_channel":
             scale = scale.reshape(-1, 1)
         t = self.finish_load(src, st, data, scale.float() if scale.dtype in (torch.bfloat16, torch.float16) else scale,

@@ -34,8 +34,8 @@ import torch
 from ... import numerics as nx
 from ..._version import __version__
 from ...errors import ConversionError, UnknownLayoutError
-from .base import E4M3, F32, ROW, codes_check, module_of, prefix, solve_amax, split
-from .common import ExternalLayout, Offer, sidecar_amax
+from .base import E4M3, F32, ROW, codes_check, module_of, prefix, split
+from .common import ExternalLayout, Offer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
@@ -238,9 +238,7 @@ class ModelOpt(ExternalLayout):
             ws2 = src.read(keys["glob"]).to(F32).reshape(())
             div = torch.tensor(st.quantizer.global_scale_divisor(), dtype=F32)
             fwd = lambda a: a / div  # noqa: E731 - ModelOpt: weight_scale_2 = amax / (6 · 448)
-            amax = sidecar_amax(src.sidecar.get(st.name))
-            if amax is None or not torch.equal(fwd(amax).view(torch.int32), ws2.view(torch.int32)):
-                amax, _ = solve_amax(ws2, fwd, ws2 * div)
+            amax = self.global_amax(src, st, ws2, fwd, ws2 * div, "weight_scale_2")
         if scheme == "fp8_block":  # 4-D [N/128, 1, K/128, 1] as ModelOpt writes it, or 2-D
             scale = scale.reshape(_block_grid(*st.shape))
         t = self.finish_load(src, st, data, scale, amax)
