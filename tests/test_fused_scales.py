@@ -180,13 +180,30 @@ def _te_checkpoint(path, recipe="nvfp4"):
     return sd
 
 
+def _amax_giving_scale_inv(scale_inv: float) -> float:
+    """An fp32 amax whose per-tensor FP8 scale_inv (the oracle's compute_scale_from_amax) is
+    ``scale_inv`` bit for bit, searched near 448 · scale_inv."""
+    c = torch.tensor(448.0 * scale_inv, dtype=torch.float32)
+    cands = [c]
+    lo = hi = c
+    for _ in range(16):
+        lo, hi = torch.nextafter(lo, torch.tensor(0.0)), torch.nextafter(hi, torch.tensor(float("inf")))
+        cands += [lo, hi]
+    want = torch.tensor([scale_inv], dtype=torch.float32)
+    for a in cands:
+        if torch.equal(ref_float8_current(torch.zeros(1, 1), E4M3, amax=float(a))["_scale_inv"], want):
+            return float(a)
+    raise AssertionError(f"no fp32 amax gives scale_inv {scale_inv!r}")
+
+
 @pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"),
                                            ("fp8_current", "modelopt_fp8"),
                                            ("fp8_current", "compressed_tensors_fp8_tensor")])
 def test_te_checkpoint_with_unequal_members_is_reexpressed_on_export(recipe, layout, tmp_path):
-    """A TE-trained checkpoint's q/k/v carry their own scales: the export requantizes the members
-    whose scale is not the group's with the group's amax, labels them lossy with figures, and the
-    values written are those of that requantization; te-serial itself keeps its bytes."""
+    """A TE-trained checkpoint's q/k/v carry their own scales: the export keeps the bytes of the
+    member whose scale is the group's (the largest), requantizes the others with the amax that
+    gives that scale, labels them lossy with figures, and writes the values of that requantization
+    (checked against the oracle); te-serial itself keeps its bytes."""
     sd = _te_checkpoint(tmp_path, recipe)
     rep = convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax={n: 4.0 for n in LINEARS})
     by = {t.name: t for t in rep.tensors}
@@ -196,22 +213,28 @@ def test_te_checkpoint_with_unequal_members_is_reexpressed_on_export(recipe, lay
         src = {n: sd[f"{n}.weight"] for n in group}
         vals = {n: src[n].dequantize(torch.float32) for n in group}
         if recipe == "nvfp4":
-            amax = max(float(src[n].buffers()["_amax_rowwise"]) for n in group)
-        else:
-            amax = max(float(v.abs().max()) for v in vals.values())
+            own = {n: float(src[n].buffers()["_amax_rowwise"]) for n in group}
+            amax = max(own.values())
+            top = max(group, key=own.get)
+        else:   # per-tensor FP8 records no amax: the largest scale_inv is the group's
+            inv = {n: float(src[n].buffers()["_scale_inv"]) for n in group}
+            top = max(group, key=inv.get)
+            amax = _amax_giving_scale_inv(inv[top])
         for n in group:
             r = by[f"{n}.weight"]
-            kept = recipe == "nvfp4" and float(src[n].buffers()["_amax_rowwise"]) == amax
-            if kept:  # the member whose amax is the group's: its bytes as they are
+            if n == top:  # the member whose scale is the group's: its bytes as they are
                 assert r.method == "copy" and r.label in ("lossless", "exact codes"), r
                 continue
-            assert r.method == "requantize" and r.label == "lossy", r
-            # FP8's largest member comes back bit-identical from its own values (and says so)
-            assert r.max_abs_err > 0 or "bit-identical" in r.note, r
+            assert r.method == "requantize" and r.label == "lossy" and r.max_abs_err > 0, r
             assert "shared amax" in r.note
-            want = recipe_quantizer(recipe, columnwise=False).quantize(vals[n], tensor_amax=amax)
             got = back[f"{n}.weight"]
-            assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32)), n
+            if recipe == "nvfp4":
+                want = ref_nvfp4(vals[n], columnwise=False, global_amax=amax)
+                assert torch.equal(got.buffers()["_rowwise_data"], want["_rowwise_data"]), n
+            else:
+                want = ref_float8_current(vals[n], E4M3, columnwise=False, amax=amax)
+                assert torch.equal(got.buffers()["_scale_inv"], want["_scale_inv"]), n
+                assert torch.equal(got.buffers()["_data"].view(torch.uint8), want["_data"].view(torch.uint8)), n
     assert any("requantized to the group's shared amax" in note for note in rep.notes)
 
 

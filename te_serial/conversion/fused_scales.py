@@ -18,8 +18,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import numerics as nx
-from ..formats.base import ROWWISE, QuantizedTensorStorage
+from ..formats.base import ROWWISE, QuantizedTensorStorage, Quantizer
 from ..fusion import fused_groups
+from .layouts.base import solve_amax
 from .transforms import Step, values
 
 
@@ -35,6 +36,14 @@ def _tensor_scale(t: torch.Tensor) -> torch.Tensor | None:
     if q.scale_per_tensor and q.has_usage(ROWWISE):
         return q.block_scales(b, tuple(t.logical_shape), ROWWISE).reshape(()).float()
     return None
+
+
+def _scale_for(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
+    """The tensor-wide scale (as :func:`_tensor_scale` reads it) that ``q`` gives a tensor quantized
+    with ``amax``: one block of zeros quantized with it."""
+    rows, cols = q.slice_alignment()
+    probe = q.set_usage(rowwise=True, columnwise=False).quantize(torch.zeros(rows, cols), tensor_amax=amax, eager=True)
+    return _tensor_scale(probe)
 
 
 def share_fused_amax(load: Callable[[str], torch.Tensor], steps: Mapping[str, Step | None],
@@ -69,13 +78,20 @@ def share_fused_amax(load: Callable[[str], torch.Tensor], steps: Mapping[str, St
                 and len({int(scale[m].view(torch.int32)) for m in members}) == 1:
             continue  # copied as they are, already one scale
         group_amax = torch.stack([amax[m].reshape(()) for m in members]).amax()
+        q = shared[members[0]].out_q
+        kept = [m for m in exact if m not in recorded and scale[m] is not None]
+        if kept:  # per-tensor scales (no amax recorded): the largest member keeps its bytes, if an amax gives its scale
+            top = max(kept, key=lambda m: float(scale[m]))
+            a, found = solve_amax(scale[top], lambda a: _scale_for(q, a), amax[top])
+            if found and bool(a >= group_amax):
+                group_amax = a
+        target = _scale_for(q, group_amax)
         label = "+".join(m.rsplit(".", 2)[-2] for m in members)
         changed = []
         for m in members:
             step = shared[m]
             if m in exact:
-                keeps = m in recorded and torch.equal(amax[m].reshape(()).view(torch.int32),
-                                                      group_amax.view(torch.int32))
+                keeps = scale[m] is not None and torch.equal(scale[m].view(torch.int32), target.view(torch.int32))
                 if keeps or not reexpress:
                     continue
                 out[m] = Step("requantize", step.out_q, step.out_dtype, builder="quantize",
