@@ -30,8 +30,7 @@ import xxhash
 
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ManifestError, TeSerialError, VersionError
-from ..formats.base import Quantizer, resolve_storage
-from ..formats.grouped import GROUPED_BUFFERS, GroupedQuantizer
+from ..formats.base import QUANTIZER_REGISTRY, STORAGE_REGISTRY, Quantizer, resolve_storage
 from ..formats.slicing import region_views
 from ..proto import TensorProto
 from . import tree as tree_mod
@@ -594,12 +593,13 @@ class _Decoder:
         is a plain tensor named ``<quantized tensor>.<one of its buffers>`` (``_<name>``, or a grouped
         tensor's TE names such as ``rowwise_data``)."""
         position = None
+        buffer_names = {b for cls in STORAGE_REGISTRY.values() for b in cls.BUFFERS}
         for i, name in enumerate(names):
             p = protos[proto_index[i]] if name not in skipped else None
             if p is None or p.quantizer is not None or i in aliases or "." not in name:
                 continue
             prefix, suffix = name.rsplit(".", 1)
-            if not (suffix.startswith("_") or suffix in GROUPED_BUFFERS):
+            if not (suffix.startswith("_") or suffix in buffer_names):
                 continue
             position = position or {n: j for j, n in enumerate(names)}
             j = position.get(prefix)
@@ -684,7 +684,8 @@ class _Decoder:
     def check_grouped(self, doc: dict) -> None:
         """Grouped quantizers need format 1.3, and all of them together list at most
         :data:`MAX_GROUPED_MEMBERS` members (checked before any is parsed)."""
-        grouped = [i for i, qd in enumerate(doc["quantizers"]) if qd["kind"] == GroupedQuantizer.kind]
+        grouped = [i for i, qd in enumerate(doc["quantizers"])
+                   if getattr(QUANTIZER_REGISTRY.get(qd["kind"]), "is_container", False)]
         if not grouped:
             return
         if tuple(doc["version"]) < GROUPED_VERSION:

@@ -23,7 +23,6 @@ from ..dtypes import safetensors_code
 from ..errors import ChecksumError, CheckpointError, CheckpointFileError, ManifestError, TensorMismatchError
 from ..errors import ShapeError
 from ..formats.base import QuantizedTensorStorage, flatten_2d
-from ..formats.grouped import GroupedQuantizer
 from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import SafetensorsFile, checksum, open_regular
@@ -308,7 +307,7 @@ class Checkpoint:
         """
         if name not in self.manifest.tensors:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
-        grouped = isinstance(self._protos[name].quantizer, GroupedQuantizer)
+        grouped = getattr(self._protos[name].quantizer, "is_container", False)
         if member is not None or (grouped and (rows is not None or cols is not None)):
             if not grouped or rows is not None or cols is not None:
                 raise CheckpointError("member= reads one member of a grouped tensor, and a grouped tensor is "

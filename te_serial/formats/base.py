@@ -219,6 +219,9 @@ class Quantizer:
     #: class returned by ``quantize(internal=True)`` and ``quantize()`` respectively
     storage_class: ClassVar[type["QuantizedTensorStorage"]]
     tensor_class: ClassVar[type["QuantizedTensor"]]
+    #: a container of member tensors (grouped MoE weights): read whole or one member at a time,
+    #: never sliced by rows or columns
+    is_container: ClassVar[bool] = False
     #: fields holding torch dtypes (serialized by name)
     _dtype_fields: ClassVar[tuple[str, ...]] = ()
 

@@ -141,6 +141,7 @@ class GroupedQuantizer(Quantizer):
     """
 
     kind: ClassVar[str] = "grouped"
+    is_container: ClassVar[bool] = True
     _dtype_fields: ClassVar[tuple[str, ...]] = ("dtype",)
 
     member: Any = None
