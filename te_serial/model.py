@@ -41,8 +41,6 @@ from .precision import stays_high_precision
 from .proto import TensorProto, to_tensor_proto
 from .recipes import recipe_quantizer
 
-__all__ = ["load_into", "quantize_model", "materialize", "plan", "Plan", "LoadResult"]
-
 InitFn = Callable[[nn.Module], Any]
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import fnmatch
 from typing import Sequence
 
-__all__ = ["HIGH_PRECISION_PATTERNS", "stays_high_precision"]
-
 #: glob patterns on tensor names (``<module path>.weight``) kept in high precision
 HIGH_PRECISION_PATTERNS = (
     "*embed*", "*wte.*", "*wpe.*",                                           # embeddings

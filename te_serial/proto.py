@@ -18,8 +18,6 @@ from .errors import FormatError
 from .formats.base import BufferSpec, QuantizedTensorStorage, Quantizer, StorageMeta
 from .te_interop import from_te, is_te_tensor
 
-__all__ = ["TensorProto", "to_tensor_proto"]
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorProto:

@@ -131,26 +131,6 @@ import torch
 
 from .errors import UnsupportedValueError
 
-__all__ = [
-    "UnsafeExtraStateError",
-    "TEUnavailableError",
-    "ExtraStateBudget",
-    "check_extra_state",
-    "decode_te_extra_state",
-    "encode_te_extra_state",
-    "is_stateless_extra_state",
-    "recipe_from_plain",
-    "recipe_to_plain",
-    "RECIPE_MODULE",
-    "RECIPE_CLASSES",
-    "RECIPE_NAMEDTUPLES",
-    "DELAYED_SCALING_KEYS",
-    "MAX_PAYLOAD_BYTES",
-    "MAX_STORAGE_BYTES",
-    "MAX_DEPTH",
-    "MAX_NODES",
-]
-
 
 class UnsafeExtraStateError(UnsupportedValueError):
     """A TE ``_extra_state`` payload uses something the restricted decoder refuses (or is malformed)."""

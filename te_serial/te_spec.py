@@ -33,8 +33,6 @@ from .formats.te_adapter import TE_QUANTIZER_ADAPTERS, find_te_adapter
 from .proto import TensorProto
 from .te_interop import _q_adapter, _te_module, _TE
 
-__all__ = ["to_te_spec", "from_te_spec"]
-
 
 def to_te_spec(proto: TensorProto) -> Any:
     """TE's ``TensorSpec`` for ``proto``: same shape, dtype, requires_grad, device, and TE's

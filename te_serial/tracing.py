@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tracing"]
-
 
 @torch.compiler.assume_constant_result  # dynamo calls it while tracing and bakes in the answer
 def tracing() -> bool:

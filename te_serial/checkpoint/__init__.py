@@ -4,6 +4,3 @@ from .manifest import FORMAT, MANIFEST_NAME, VERSION, BufferEntry, Manifest, Ten
 from .reader import Checkpoint, load_quantized, open_checkpoint, read_protos, verify
 from .writer import CheckpointWriter, parse_size, save_quantized
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "BufferEntry", "Manifest", "TensorEntry", "Checkpoint",
-           "load_quantized", "open_checkpoint", "read_protos", "verify", "parse_size", "save_quantized",
-           "CheckpointWriter"]

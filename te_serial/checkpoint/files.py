@@ -44,9 +44,6 @@ import xxhash
 from ..dtypes import dtype_from_code, safetensors_code
 from ..errors import CheckpointError, CheckpointFileError
 
-__all__ = ["TMP_PREFIX", "MAX_HEADER_BYTES", "Entry", "Header", "read_header", "SafetensorsFile",
-           "ShardSet", "checksum", "fsync_path", "is_leftover", "atomic_write", "tensor_bytes"]
-
 TMP_PREFIX = ".te_serial-tmp-"
 #: safetensors' own limit on the header's JSON
 MAX_HEADER_BYTES = 100 << 20

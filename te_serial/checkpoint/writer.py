@@ -34,8 +34,6 @@ from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, Buffe
                        TensorEntry, buffer_key, expected_buffers)
 from .tree import TensorRef, flatten_tree
 
-__all__ = ["CheckpointWriter", "save_quantized", "parse_size", "producer", "stored_buffers", "SHARD_NAME"]
-
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 #: shard names of te-serial checkpoint directories (the 8 hex digits are the save's id)

@@ -17,11 +17,6 @@ from .sources import LAYOUTS, Source, SourceTensor, detect_layout, open_source
 from .targets import DEFAULT_KEEP_PATTERNS, KEEP, TARGETS, Rules, Target, load_rules, target, target_names
 from .transforms import compare, values
 
-__all__ = ["convert", "plan_conversion", "TensorPlan", "ConversionReport", "TensorReport", "open_source",
-           "detect_layout", "Source", "SourceTensor", "LAYOUTS", "TARGETS", "Target", "target", "target_names",
-           "Rules", "load_rules", "KEEP", "DEFAULT_KEEP_PATTERNS", "compare", "values", "estimate_bytes",
-           "ActivationAmax", "ExportSpec", "EXACT_CODES", "codes_check", "ulp_histogram"]
-
 
 def estimate_bytes(path, recipe: str | None, *, rules=None, usages=None) -> dict[str, int]:
     """Bytes each tensor of the checkpoint at ``path`` would take after ``convert(..., recipe)``

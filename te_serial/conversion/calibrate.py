@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ActivationAmax"]
-
 
 class ActivationAmax:
     """Record max |input| of each matching module over the forward passes run inside the block."""

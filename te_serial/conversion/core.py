@@ -42,8 +42,6 @@ from .transforms import (GROUPED_MODES, ROW, STATS_MODES, ErrorStats, Step, comp
                          all_rows, plan_external, plan_keep_external, plan_plain, plan_te, rows_of, sample_rows, to_device,
                          values)
 
-__all__ = ["convert", "plan_conversion", "TensorPlan"]
-
 CPU = torch.device("cpu")
 
 ProgressFn = Callable[[int, int, str], Any]

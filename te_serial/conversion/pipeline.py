@@ -13,8 +13,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
-__all__ = ["run_pipeline"]
-
 T = TypeVar("T")
 
 

@@ -14,8 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TensorReport", "ConversionReport", "format_bytes"]
-
 LOSSLESS, LOSSY, DROPPED = "lossless", "lossy", "dropped"
 #: the element codes and block scales are the source's bytes, but the layout's reader applies the
 #: tensor-wide scale with its own formula: some values land a few fp32 ulp away (``ulp_max``)

@@ -55,8 +55,6 @@ from .layouts.compressed_tensors import ct_schemes
 from .layouts.modelopt import HF_QUANT_CONFIG, read_hf_quant_config
 from .targets import describe_dtype, describe_quantizer, usage_label
 
-__all__ = ["SourceTensor", "Source", "open_source", "detect_layout", "INDEX_NAME", "LAYOUTS"]
-
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 LAYOUTS = ("te-serial", "safetensors", "deepseek_fp8", "compressed_tensors_fp8", "compressed_tensors_nvfp4",

@@ -28,9 +28,6 @@ from ..precision import HIGH_PRECISION_PATTERNS, stays_high_precision
 from ..recipes import RECIPES, recipe_quantizer
 from .layouts import FAMILIES as LAYOUTS
 
-__all__ = ["Target", "KEEP", "TARGETS", "target", "target_names", "Rules", "load_rules",
-           "DEFAULT_KEEP_PATTERNS", "describe_quantizer", "describe_dtype", "usage_label"]
-
 KEEP = "keep"
 
 #: families: "te" (te-serial checkpoint), "plain" (HF safetensors), and the serving layouts

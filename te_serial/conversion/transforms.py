@@ -29,10 +29,6 @@ from ..proto import TensorProto
 ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
 
-__all__ = ["Step", "plan_te", "plan_plain", "plan_deepseek", "plan_ct", "plan_external", "plan_keep_external", "execute",
-           "values", "usage_view", "compare", "compare_rows", "sample_rows", "all_rows", "rows_of", "to_device", "STATS_MODES", "ErrorStats",
-           "deepseek_quantizer", "ct_quantizer"]
-
 _SETTLED = "scale and amax set from this tensor's values"
 
 

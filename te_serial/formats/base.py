@@ -39,12 +39,6 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import (BufferMismatchError, FormatError, ShapeError, UnknownQuantizerError,
                       UnknownStorageError, UnsupportedOperationError)
 
-__all__ = [
-    "BufferSpec", "StorageMeta", "UsageLayout", "Quantizer", "QuantizedTensorStorage",
-    "QuantizedTensor", "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "resolve_quantizer",
-    "resolve_storage", "flatten_2d", "ROWWISE", "COLUMNWISE", "USAGES",
-]
-
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 USAGES = (ROWWISE, COLUMNWISE)
 

@@ -52,9 +52,6 @@ import torch
 from .. import native
 from ..tracing import tracing
 
-__all__ = ["NUMERICS", "MIN_NUMEL", "EAGER_ENV", "TENSOR_AMAX", "ROW_BLOCK_AMAX", "COL_BLOCK_AMAX", "policy",
-           "current_policy", "wants_fused", "nan_free_amaxes", "run", "compile_count", "failures", "forget_failures"]
-
 EAGER_ENV = "TE_SERIAL_EAGER"
 
 #: below this many elements ``"auto"`` stays eager. A compile costs seconds (5-30 s per graph on 2

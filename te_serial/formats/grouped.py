@@ -45,10 +45,6 @@ from ..errors import FormatError, ShapeError, UnsupportedOperationError
 from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer)
 from .te_adapter import TE_ADAPTERS, TEAdapter, register_te_adapter
 
-__all__ = ["GroupedQuantizer", "GroupedTensorStorage", "GroupedTensor", "GROUPED_BUFFERS", "MAX_MEMBERS",
-           "grouped_shape", "split_name", "expert_name", "split_grouped", "merge_grouped", "plan_split",
-           "plan_merge"]
-
 #: TE's grouped buffer attribute names, in flatten order
 GROUPED_BUFFERS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax")
 #: most members one grouped tensor may hold (MoE layers have up to a few hundred experts)

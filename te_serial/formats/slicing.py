@@ -27,9 +27,6 @@ import torch
 from ..errors import FormatError, ShapeError
 from .base import QuantizedTensorStorage, Quantizer, flatten_2d
 
-__all__ = ["slice_quantized", "slice_buffers", "region_views", "buffer_regions", "slice_from_regions",
-           "storage_view", "box_to_range"]
-
 Range = tuple[int, int] | slice | None
 #: a box in a region view: (offsets, sizes), one int per dim
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -19,10 +19,6 @@ from ..errors import FormatError, UnsupportedValueError
 from .base import Quantizer
 from .swizzle import unswizzle_scales
 
-__all__ = ["TEAdapter", "TEContext", "TE_ADAPTERS", "TE_EXPERIMENTAL", "TE_FP8", "TE_FP8_CODE",
-           "TE_QUANTIZER_ADAPTERS", "find_te_adapter", "quantizer_from_te_fields", "register_te_adapter",
-           "te_fp8_dtype", "te_value_fields"]
-
 #: TE's DType values (transformer_engine/common/include/transformer_engine/transformer_engine.h)
 TE_FP8 = {7: torch.float8_e4m3fn, 8: torch.float8_e5m2}
 TE_FP8_CODE = {v: k for k, v in TE_FP8.items()}

@@ -52,11 +52,6 @@ import torch
 
 from ..tracing import tracing
 
-__all__ = ["NATIVE_ENV", "CACHE_ENV", "transpose_bytes", "amax", "block_amax", "scale_cast_fp8",
-           "scale_cast_fp8_transposed", "scale_cast_fp8_pair", "scale_cast_fp4", "scale_cast_fp4_4over6",
-           "scale_cast_fp4_4over6_pair",
-           "dequantize_fp8", "available", "cache_dir"]
-
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 

@@ -15,5 +15,3 @@ from .modelopt import ModelOpt
 #: family → layout
 FAMILIES: dict[str, ExternalLayout] = {"modelopt": ModelOpt(), "ct": CompressedTensors(), "deepseek": DeepSeek()}
 
-__all__ = ["FAMILIES", "ExternalLayout", "ModelOpt", "CompressedTensors", "DeepSeek", "SCHEMES", "representation",
-           "codes_check", "CodesCheck", "ulp_distance", "ulp_histogram", "ACTIVATION_MODES", "SIDECAR_NAME"]
