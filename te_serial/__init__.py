@@ -15,8 +15,8 @@ from .checkpoint import (Checkpoint, CheckpointWriter, load_quantized, read_prot
                          verify)
 # te_serial.open, as safetensors' safe_open; not in __all__, so `from te_serial import *` leaves the builtin
 from .checkpoint import open_checkpoint as open  # noqa: A001
-from .te_interop import from_te, to_te
-from .te_spec import from_te_spec, to_te_spec
+from .te.interop import from_te, to_te
+from .te.spec import from_te_spec, to_te_spec
 from .model import load_into, materialize, plan, quantize_model
 from .conversion import convert
 from .serving import export_tensors

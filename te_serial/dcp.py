@@ -118,7 +118,7 @@ def _local_view(name: str, value: Any, *, loading: bool = False) -> _Local:
             raise UnsupportedValueError(f"tensor {name!r} is on the meta device and holds no data")
         return _Local(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer,
                                         bool(getattr(value, "requires_grad", False))), value, None, None)
-    from .te_interop import from_te, is_te_tensor
+    from .te.interop import from_te, is_te_tensor
     if is_te_tensor(value):
         value = from_te(value, name=name)
         return _Local(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer, False), value, None, None)

@@ -16,7 +16,7 @@ import torch
 from .dtypes import dtype_from_name, dtype_name
 from .errors import FormatError
 from .formats.base import BufferSpec, QuantizedTensorStorage, Quantizer, StorageMeta
-from .te_interop import from_te, is_te_tensor
+from .te.interop import from_te, is_te_tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import te_serial as ts
 from te_serial import errors as tse
 from te_serial import formats as tsf
 import te_shim
-from te_serial.te_extra_state import decode_te_extra_state, encode_te_extra_state
+from te_serial.te.extra_state import decode_te_extra_state, encode_te_extra_state
 
 te = te_shim.install()
 if te is None:  # only where the test extra (transformer-engine wheel) is not installed

@@ -348,7 +348,7 @@ def _decode_extra_states(obj, want):
     decoded state. With TE importable, te-serial loads TE's own bytes (a uint8 tensor), decoded
     here by te-serial's restricted decoder (nothing is unpickled); without TE it returns the
     decoded dict itself."""
-    from te_serial.te_extra_state import decode_te_extra_state
+    from te_serial.te.extra_state import decode_te_extra_state
     if isinstance(want, TEExtra):
         if isinstance(obj, torch.Tensor):
             assert obj.dtype == torch.uint8 and obj.dim() == 1
@@ -505,7 +505,7 @@ def test_extra_state_enum_loads_as_te_bytes():
     import te_shim
     if te_shim.install() is None:
         pytest.skip("transformer-engine wheel not installed")
-    from te_serial.te_extra_state import decode_te_extra_state
+    from te_serial.te.extra_state import decode_te_extra_state
     rec = record("extra_state_enum")
     obj = ts.load_quantized(golden("extra_state_enum"), verify=True)
     payload = obj["fc1._extra_state"]

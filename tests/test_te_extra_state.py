@@ -1,4 +1,4 @@
-"""te_serial.te_extra_state: TE module ``_extra_state`` decoded without unpickling, and re-encoded.
+"""te_serial.te.extra_state: TE module ``_extra_state`` decoded without unpickling, and re-encoded.
 
 Payloads are made here exactly as TE makes them: ``pickle.dumps`` of the dict that
 ``TransformerEngineBaseModule.get_extra_state`` builds (TE's own recipe classes, via the CPU
@@ -32,7 +32,7 @@ import torch
 import te_shim
 from helpers import same_bits
 from te_serial.errors import CheckpointError, UnsupportedValueError
-from te_serial.te_extra_state import (DELAYED_SCALING_KEYS, RECIPE_MODULE, UnsafeExtraStateError,
+from te_serial.te.extra_state import (DELAYED_SCALING_KEYS, RECIPE_MODULE, UnsafeExtraStateError,
                                       decode_te_extra_state, encode_te_extra_state,
                                       is_stateless_extra_state, recipe_from_plain,
                                       recipe_to_plain)

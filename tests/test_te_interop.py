@@ -7,7 +7,7 @@ import torch
 
 import te_serial as ts
 from te_serial import formats as tsf
-from te_serial.te_interop import is_te_tensor
+from te_serial.te.interop import is_te_tensor
 import te_shim
 from helpers import E4M3, E5M2, FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits, same_values
 

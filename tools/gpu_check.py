@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import te_serial as ts  # noqa: E402
 from te_serial import formats as tsf  # noqa: E402
 from te_serial.formats import fused  # noqa: E402
-from te_serial.te_interop import is_te_tensor
+from te_serial.te.interop import is_te_tensor
 from te_serial.recipes import RECIPES, recipe_quantizer  # noqa: E402
 
 FAILED: list[str] = []

@@ -813,7 +813,7 @@ def _self_check(path: Path, record: dict, extra_states: list) -> None:
                 assert digest(b.view(values[bname])) == want["buffers"][bname]["xxh3_64"], (n, bname)
             assert digest(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"], n
     # te-serial decodes each TE pickle to the state built here (recipe fields, enum members, tensors)
-    from te_serial.te_extra_state import decode_te_extra_state
+    from te_serial.te.extra_state import decode_te_extra_state
     for want in extra_states:
         got = decode_te_extra_state(want.payload)
         assert list(got) == list(want.state)

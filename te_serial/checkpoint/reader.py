@@ -447,7 +447,7 @@ class Checkpoint:
         if copier is not None:
             copier.finish()
         if as_te:
-            from ..te_interop import to_te
+            from ..te.interop import to_te
             converted: dict[int, Any] = {}  # keep tied tensors tied
             out = {n: converted.setdefault(id(t), to_te(t)) if isinstance(t, QuantizedTensorStorage) else t
                    for n, t in out.items()}

@@ -15,10 +15,10 @@ Reading, for the reader (see :func:`unpack_manifest`, :func:`check_tree`, :func:
 * The tree's root is a map; map keys are str or int; values are nil, bool, int, float, str,
   bin, arrays, maps, tensor references, tuples, and TE extra state -- the latter only as the
   value of a str key ending in ``_extra_state``, never inside another extra state, and holding
-  exactly what :func:`te_serial.te_extra_state.check_extra_state` accepts. A tensor referenced
+  exactly what :func:`te_serial.te.extra_state.check_extra_state` accepts. A tensor referenced
   inside an extra state is referenced nowhere else in the tree. Depth ≤ 64.
 * Re-encoding extra state to TE's bytes on load spends from one
-  :class:`~te_serial.te_extra_state.ExtraStateBudget` for the whole checkpoint (work ≤
+  :class:`~te_serial.te.extra_state.ExtraStateBudget` for the whole checkpoint (work ≤
   min(2,000,000, 65,536 + F/4) opcodes and values, bytes ≤ 2·F + 16 MiB, F = the checkpoint's
   size in bytes).
 * Non-strict loads: a tensor that was skipped is dropped from its dict, becomes ``None`` in a
@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CheckpointError, ManifestError, UnsupportedValueError
 from ..formats.base import QuantizedTensorStorage
-from ..te_extra_state import ExtraStateBudget  # noqa: F401  (re-exported for the reader)
+from ..te.extra_state import ExtraStateBudget  # noqa: F401  (re-exported for the reader)
 
 TENSOR_EXT, TUPLE_EXT, TE_EXTRA_STATE_EXT = 1, 2, 3
 EXTRA_STATE_SUFFIX = "_extra_state"
@@ -71,7 +71,7 @@ def _is_pickled_extra_state(key: Any, value: Any) -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
-    from ..te_interop import is_te_tensor  # TE storages are tensors here too (not torch.Tensors)
+    from ..te.interop import is_te_tensor  # TE storages are tensors here too (not torch.Tensors)
     return isinstance(value, (torch.Tensor, QuantizedTensorStorage)) or is_te_tensor(value)
 
 
@@ -93,7 +93,7 @@ def flatten_tree(obj: Any) -> tuple[Any, dict[str, Any]]:
         if len(path) > MAX_DEPTH:
             raise UnsupportedValueError(f"state dict nests deeper than {MAX_DEPTH} levels at {where!r}")
         if path and not in_extra and _is_pickled_extra_state(path[-1], value):
-            from ..te_extra_state import decode_te_extra_state  # never unpickles
+            from ..te.extra_state import decode_te_extra_state  # never unpickles
             return TEExtraState(walk(decode_te_extra_state(value, where=where), path, True))
         if _is_tensor(value):
             if where in tensors:
@@ -323,7 +323,7 @@ class _TreeChecker:
         raise self.fail(f"a value of type {t.__module__}.{t.__qualname__}, which te-serial never writes", path)
 
     def extra_state(self, x: TEExtraState, path: tuple, depth: int) -> None:
-        from ..te_extra_state import check_extra_state
+        from ..te.extra_state import check_extra_state
         where = _path_str(path)
         if not (type(path[-1]) is str and path[-1].endswith(EXTRA_STATE_SUFFIX)):
             raise self.fail("TE extra state that is not the value of a '..._extra_state' key", path)
@@ -457,7 +457,7 @@ def rebuild_tree(tree: Any, tensors: dict[str, Any], *, budget: Any = None, miss
                  file: Optional[str] = None) -> Any:
     """Replace TensorRef leaves by tensors, and TE extra state by TE's ``_extra_state`` bytes.
 
-    ``budget`` is the :class:`~te_serial.te_extra_state.ExtraStateBudget` of the whole
+    ``budget`` is the :class:`~te_serial.te.extra_state.ExtraStateBudget` of the whole
     checkpoint (``ExtraStateBudget(F)``, F = manifest + buffer files in bytes); by default one is
     made from the bytes of ``tensors``. A name absent from ``tensors`` (skipped by a non-strict
     load) is dropped from its dict and becomes ``None`` in a list or tuple; an extra state that
@@ -498,7 +498,7 @@ def _with_file(e: CheckpointError, file: Optional[str]) -> CheckpointError:
 def _te_extra_state_value(state: Any, where: str, budget: Any) -> Any:
     """TE's own ``_extra_state`` bytes for a decoded state (TE's recipe classes are needed to
     write them); without TE, the decoded dict itself, with a warning."""
-    from ..te_extra_state import TEUnavailableError, check_extra_state, encode_te_extra_state
+    from ..te.extra_state import TEUnavailableError, check_extra_state, encode_te_extra_state
     check_extra_state(state, where=where, budget=budget)
     try:
         return encode_te_extra_state(state, where=where, budget=budget)

@@ -28,7 +28,7 @@ from .._version import __version__
 from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.base import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
-from ..te_interop import from_te, is_te_tensor
+from ..te.interop import from_te, is_te_tensor
 from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, BufferEntry, Manifest,
                        TensorEntry, buffer_key, expected_buffers)

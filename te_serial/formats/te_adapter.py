@@ -3,9 +3,9 @@
 Each format module registers one :class:`TEAdapter` for its quantizer classes: how to read TE's
 tensor (which quantizer, which buffers) and how to build TE's quantizer and tensor. What every
 format shares is here: buffers reshaped to te-serial's shapes (TE's C++ allocates some flattened
-to 2-D), swizzled scales unswizzled, scale padding zeroed. ``te_interop`` finds an adapter by TE
+to 2-D), swizzled scales unswizzled, scale padding zeroed. ``te.interop`` finds an adapter by TE
 class name or by quantizer and holds no per-format code. TE is never imported here: building TE
-objects gets a :class:`TEContext` (TE's modules and ``DType``) from ``te_interop``.
+objects gets a :class:`TEContext` (TE's modules and ``DType``) from ``te.interop``.
 """
 
 from __future__ import annotations

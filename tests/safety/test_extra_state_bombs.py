@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 import te_serial
 import te_shim
 from te_serial.errors import CheckpointError, UnsupportedValueError
-from te_serial.te_extra_state import (MAX_PAYLOAD_WORK, MAX_ZIP_ENTRIES, RECIPE_MODULE, ExtraStateBudget,
+from te_serial.te.extra_state import (MAX_PAYLOAD_WORK, MAX_ZIP_ENTRIES, RECIPE_MODULE, ExtraStateBudget,
                                       TEUnavailableError, UnsafeExtraStateError, check_extra_state,
                                       decode_te_extra_state, encode_te_extra_state)
 
@@ -223,7 +223,7 @@ def test_zero_stride_bomb_under_address_space_limit():
         sizes = [((1 << 28,), (0,)), ((1 << 40,), (0,)), ((1 << 61, 4), (0, 0))]
         payloads = [torch.frombuffer(bytearray(pickle.dumps({"scale_fwd": R(torch._utils._rebuild_tensor_v2,
                     (st, 0, s, d, False, OrderedDict()))})), dtype=torch.uint8) for s, d in sizes]
-        from te_serial.te_extra_state import decode_te_extra_state
+        from te_serial.te.extra_state import decode_te_extra_state
         def decode_all():
             errors = []
             for p in payloads:
@@ -334,7 +334,7 @@ def test_storage_multiplication_under_address_space_limit():
         views = [R(torch._utils._rebuild_tensor_v2, (st, 1, ((1 << 20) - 1,), (1,), False, OrderedDict()))
                  for _ in range(1000)]  # 4 GiB once materialized
         p = torch.frombuffer(bytearray(pickle.dumps({"v": views})), dtype=torch.uint8)
-        from te_serial.te_extra_state import decode_te_extra_state
+        from te_serial.te.extra_state import decode_te_extra_state
         report(lambda: decode_te_extra_state(p, where="m._extra_state"))
     """)
     assert_refused_in_child(result, "m._extra_state", "bytes", rss=200 << 20)

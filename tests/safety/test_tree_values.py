@@ -33,7 +33,7 @@ from te_serial.errors import CheckpointError, ManifestError
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.tree import (ExtraStateBudget, TEExtraState, TensorRef, check_tree, extra_state_refs,
                                        rebuild_tree, unpack_manifest)
-from te_serial.te_extra_state import RECIPE_MODULE, UnsafeExtraStateError, decode_te_extra_state
+from te_serial.te.extra_state import RECIPE_MODULE, UnsafeExtraStateError, decode_te_extra_state
 
 from .safety_helpers import Ck
 from .test_extra_state_bombs import FUZZ_LONG, _mutate, _mutation, assert_refused_in_child, run_limited

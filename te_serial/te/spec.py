@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import FormatError
-from .formats.base import Quantizer
-from .formats.te_adapter import TE_QUANTIZER_ADAPTERS, find_te_adapter
-from .proto import TensorProto
-from .te_interop import _q_adapter, _te_module, _TE
+from ..errors import FormatError
+from ..formats.base import Quantizer
+from ..formats.te_adapter import TE_QUANTIZER_ADAPTERS, find_te_adapter
+from ..proto import TensorProto
+from .interop import _q_adapter, _te_module, _TE
 
 
 def to_te_spec(proto: TensorProto) -> Any:

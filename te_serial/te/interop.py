@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, TeSerialError
-from .formats import QuantizedTensorStorage, Quantizer
-from .formats.te_adapter import TE_ADAPTERS, TE_EXPERIMENTAL, TEAdapter, find_te_adapter
+from ..errors import FormatError, TeSerialError
+from ..formats import QuantizedTensorStorage, Quantizer
+from ..formats.te_adapter import TE_ADAPTERS, TE_EXPERIMENTAL, TEAdapter, find_te_adapter
 
 
 class TransformerEngineUnavailable(TeSerialError, ImportError):

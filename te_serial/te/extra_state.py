@@ -129,7 +129,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import UnsupportedValueError
+from ..errors import UnsupportedValueError
 
 
 class UnsafeExtraStateError(UnsupportedValueError):
