@@ -502,7 +502,7 @@ def _dcp_state(names, world: int, rank: int, mesh, fill: bool):
     """Each rank's Shard(0) part of every weight as a DTensor of a quantized tensor (random bytes,
     tensor-wide scalars equal on every rank), and the same bytes as plain DTensors (views)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from te_serial.dcp import _buffer_pieces, _local_view
+    from te_serial.dcp._local import _buffer_pieces, _local_view
     g = torch.Generator().manual_seed(rank)
     noise = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
     quantized, plain = {}, {}

@@ -24,7 +24,7 @@ gives that layer, by the call SGLang's layers make in their constructors,
 ``UnquantizedEmbeddingMethod``, ``True`` for any other method.
 
 Tested with SGLang 0.5.23 installed ``--no-deps`` next to torch 2.13.0+cpu, plus the packages in
-``requirements-sglang.txt`` (see that file).
+``requirements.txt`` (see that file).
 
 Stubs (everything else is SGLang's own code), active only inside this module's calls
 (``_sglang_env``), removed again afterwards so the rest of the test process sees neither:

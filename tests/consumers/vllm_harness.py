@@ -14,7 +14,7 @@ quantized weights, clones of its parameters and buffers.
 ``[N_total, K]`` weight it implies, with vLLM's semantics (see the function).
 
 Tested with vLLM 0.33.0 (installed ``--no-deps`` next to torch 2.13.0+cpu, see
-``requirements-vllm.txt``); the wheel is a CUDA build whose ``vllm._C`` does not load on a CPU-only
+``requirements.txt``); the wheel is a CUDA build whose ``vllm._C`` does not load on a CPU-only
 torch.
 
 Stubs (everything else is vLLM's own code):

@@ -182,11 +182,13 @@ class CodesCheck:
         return self.ulp_max == 0
 
 
-def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> CodesCheck:
+def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple]
+                ) -> CodesCheck:
     """Compare te-serial's dequantized values of the rowwise two-level tensor ``t`` with a layout
-    reader's, ``reader(codes [256, C] uint8, block scale bytes [256, 1] uint8) -> fp32 values``, for
-    every (block scale byte present in ``t``, element code) pair. A value depends on nothing else,
-    so one histogram of the block scales (no pass over the elements) bounds the whole tensor."""
+    reader's, ``reader(codes [256, C] uint8, block scale bytes [256, 1] uint8) -> fp32 values`` (or a
+    tuple of them: the formulas the layout's consumers use, the worst counted), for every (block
+    scale byte present in ``t``, element code) pair. A value depends on nothing else, so one
+    histogram of the block scales (no pass over the elements) bounds the whole tensor."""
     q, b = t.quantizer, t.buffers()
     shape = tuple(t.logical_shape)
     lay = q.usage_layout(ROW)
@@ -205,10 +207,14 @@ def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch
     if lay.amax is not None:
         bufs[lay.amax] = b[lay.amax].clone()
     te_vals = pq.storage_class(probe, F32, pq, **bufs).dequantize(F32)[:, :n_codes]
-    r_vals = reader(codes[:, :n_codes], scale_bytes).to(F32)
-    ok = torch.isfinite(te_vals) & torch.isfinite(r_vals)     # NaN scale bytes: no such blocks in practice
-    d = torch.where(ok, ulp_distance(te_vals, r_vals), 0)
-    diff = torch.where(ok, (te_vals - r_vals).abs(), 0)
+    got = reader(codes[:, :n_codes], scale_bytes)
+    d = diff = None
+    for r_vals in (got if isinstance(got, tuple) else (got,)):
+        r_vals = r_vals.to(F32)
+        ok = torch.isfinite(te_vals) & torch.isfinite(r_vals)     # NaN scale bytes: no such blocks in practice
+        dd = torch.where(ok, ulp_distance(te_vals, r_vals), 0)
+        ee = torch.where(ok, (te_vals - r_vals).abs(), 0)
+        d, diff = (dd, ee) if d is None else (torch.maximum(d, dd), torch.maximum(diff, ee))
     use = counts > 0
     if not bool(use.any()):
         return CodesCheck(0, 0, 0.0)

@@ -11,7 +11,8 @@ Per quantized linear ``<m>``, by the group's ``format``:
   1 / (amax / (6 · 448)) — the reciprocal of ModelOpt's ``weight_scale_2``, computed as
   compressed-tensors' own ModelOpt converter computes it, so converting te-serial's ModelOpt
   export with that converter gives this export's bytes. W4A4 adds ``<m>.input_global_scale``
-  ``[1]``. A reader's value is ``e2m1 · (float(weight_scale) / weight_global_scale)``.
+  ``[1]``. compressed-tensors' reader's value is ``e2m1 · (float(weight_scale) /
+  weight_global_scale)``, vLLM's ``e2m1 · (float(weight_scale) · fp32(1 / weight_global_scale))``.
 * ``mxfp8-quantized``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]``.
 * ``float-quantized`` strategy ``block`` (llm-compressor's ``FP8_BLOCK``): ``<m>.weight`` F8_E4M3
   ``[N, K]`` + ``<m>.weight_scale`` ``[⌈N/128⌉, ⌈K/128⌉]`` (value = fp8 · its block's scale),
@@ -150,7 +151,10 @@ class CompressedTensors(ExternalLayout):
             return None
         gs = blobs[prefix(name) + "weight_global_scale"].to(F32).reshape(())
         table = e2m1_values()
-        return lambda codes, scales: table[codes.long()] * (e4m3_values(scales) / gs)
+        # compressed-tensors' own dequantize divides by the global scale; vLLM multiplies by its
+        # reciprocal (weight_global_scale = 1 / max(...) after loading): both bounded
+        return lambda codes, scales: (table[codes.long()] * (e4m3_values(scales) / gs),
+                                      table[codes.long()] * (e4m3_values(scales) * (1 / gs)))
 
     def quantization_config(self, scheme, mode, ignored):
         group = self._group(scheme, mode, ["Linear"])
