@@ -82,7 +82,7 @@ def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 def per_blocks(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``xs`` (per-block scales), computed once per block in a compiled graph: an opaque op that
     inductor cannot inline, so the scale's dozen integer ops and selects are not redone for every
-    vector of elements in the cast loop (2-4x slower). Scales given together are all ready before
+    vector of elements in the cast loop. Scales given together are all ready before
     any cast that uses them, so the casts can share one loop over the input. The identity, with no
     copy, when eager."""
     return tuple(_per_block(list(xs))) if tracing() else xs
@@ -245,7 +245,7 @@ def cast_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     (PTX ``cvt.rn.satfinite.e2m1x2.f32``). NaN becomes +6 (cuda_fp4.hpp: "NaN converts to
     positive FP4_MAXNORM"). The index is the number of :data:`E2M1_STEPS` midpoints that |x|
     passes: seven compares, which vectorize compiled and eager (the fp32 bit arithmetic it
-    replaces ran 3x slower eager, and compiled its bit casts went through scalar loops).
+    replaces was slower eager, and compiled its bit casts went through scalar loops).
     """
     x = x.float()
     a = x.abs()
@@ -267,8 +267,8 @@ def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
 
     Compiled, built as fp32 bits: magnitude index m ≥ 2 is 2^((m >> 1) - 1) · (1 + (m & 1) / 2),
     i.e. biased exponent (m >> 1) + 126 and the top mantissa bit m & 1; m = 1 is 0.5; m = 0 is 0.
-    Inductor vectorizes that, and a table lookup is a gather (2.5x slower). Eager, the lookup is
-    one pass where the bit arithmetic is eight (1.7x faster). Both give the same bits.
+    Inductor vectorizes that, where a table lookup is a gather. Eager, the lookup is one pass where
+    the bit arithmetic is eight. Both give the same bits.
     """
     if not tracing():
         table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=codes.device)

@@ -402,8 +402,8 @@ class _DirectBlocks:
     """The whole blocks of a file, written with ``O_DIRECT`` from an aligned staging buffer.
 
     A checkpoint is written once and rarely read back by the writer, so its bytes need not pass
-    through the page cache: on a VM measured here, buffered writes of computed data ran at about
-    0.2 GB/s once ~240 MB were dirty, direct ones at 0.8 GB/s. A buffer's partial first and last
+    through the page cache: on some machines buffered writes of computed data slow down several
+    times once the dirty pages pile up, where direct ones keep the disk's speed. A buffer's partial first and last
     blocks go through the page cache (:class:`_PlannedFile` writes them), so no block is ever written
     both ways. Where the file system refuses ``O_DIRECT`` (tmpfs) or a write, everything is buffered.
     """

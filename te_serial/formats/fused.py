@@ -25,7 +25,7 @@ per lossy output) through :func:`run` too. This module owns the policy around th
 * **NaN inputs run eager** (:func:`nan_free_amaxes`, one cheap pass that also gives the amax, and
   a format's block maxima where the native kernel takes the input): a compiled graph never
   sees a NaN, so its kernels need no NaN masks or canonicalizing selects, which would stop
-  inductor vectorizing (transposed FP8 stores ran 2-6x slower with them). NaN handling stays in
+  inductor vectorizing (transposed FP8 stores among them). NaN handling stays in
   one place, the eager code, which the oracle tests pin.
 * **any thread**: calls from several threads take turns on the compiled graphs (one call at a time,
   which uses every core anyway). The formats' code asks :func:`te_serial.tracing.tracing` whether it

@@ -2,8 +2,8 @@
 
 * :func:`transpose_bytes` gives a 2-D array of 1-byte codes transposed, the same bytes: how the
   formats derive columnwise codes from codes computed in row order (``formats/``). torch's copy of a
-  transposed uint8 view and inductor's transposed stores run at 0.5-1 GB/s on a 2-core VM; the C
-  kernel runs near ``memcpy`` speed.
+  transposed uint8 view and inductor's transposed stores run far below ``memcpy`` speed; the C
+  kernel runs near it (figures: docs/benchmarks.md).
 * :func:`block_amax` takes the |x| maxima of a BF16 / FP16 array's 1×b and b×1 blocks and spots
   NaN in one read (|x| of a sign-magnitude float orders as its bits without the sign), where the
   compiled graphs and the NaN check read the input three times; :func:`amax` the tensor's, the same
@@ -55,7 +55,7 @@ from ..tracing import tracing
 NATIVE_ENV = "TE_SERIAL_NATIVE"
 CACHE_ENV = "TE_SERIAL_CACHE_DIR"
 
-#: below this many bytes of input the calling thread does the work alone (the pool costs ~50 µs)
+#: below this many bytes of input the calling thread does the work alone (waking the pool costs more)
 _SPLIT_BYTES = 1 << 20
 #: outputs from this size on are allocated with a huge-page hint (:func:`_output`)
 _HUGE_BYTES = 4 << 20
@@ -166,7 +166,7 @@ def available() -> bool:
 def _threads(rows: int, nbytes: int, unit: int) -> int:
     """How many of torch's OpenMP threads a kernel over ``rows`` rows of work touching ``nbytes`` of
     input splits into (whole multiples of ``unit`` rows each): as many as torch uses in this
-    thread where the work is large enough (a parallel region costs ~10 µs), one in a forked child
+    thread where the work is large enough to pay for a parallel region, one in a forked child
     (GNU OpenMP's threads do not survive a fork, and its next parallel region there would hang)."""
     if os.getpid() != _state.get("pid"):
         return 1
@@ -176,9 +176,8 @@ def _threads(rows: int, nbytes: int, unit: int) -> int:
 def _output(lib: ctypes.CDLL, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized output that a kernel writes in full; from :data:`_HUGE_BYTES` on, with a
     huge-page hint over its whole 2 MB pages: where its memory is fresh (glibc had handed it back)
-    it faults in per 2 MB, not per 4 KB. Measured here on fresh memory: the per-tensor FP8 cast with
-    its transpose 19-26 → 12-14 ms (12 thousand faults → 1.4), a 4096² FP8 dequantize 19-26 → 12 ms;
-    the first huge pages a process takes cost more, once; memory in reuse is unchanged."""
+    it faults in per 2 MB, not per 4 KB (a fresh 16 MB output otherwise takes thousands of page
+    faults). The first huge pages a process takes cost more, once; memory in reuse is unchanged."""
     y = torch.empty(shape, dtype=dtype)
     if y.numel() * y.element_size() >= _HUGE_BYTES:
         lib.te_serial_prefer_huge_pages(y.data_ptr(), y.numel() * y.element_size())
