@@ -17,7 +17,10 @@ Timings are medians of several runs in one process; nothing here is asserted in 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import platform
 import shutil
 import statistics
 import sys
@@ -660,11 +663,67 @@ def main(argv=None) -> int:
     e.add_argument("--export-shape", default="8192x4096", help="its tensors' shape")
     e.add_argument("--repeat", type=int, default=3, help="runs of each side (median)")
     e.add_argument("--dir", default=None, help="where to write on disk (default: the system temp dir)")
+    for p in (q, c, m, d, e, *(sub.choices[k] for k in ("convert",) if k in sub.choices)):
+        p.add_argument("--no-record", action="store_true", help="do not write the figures into docs/benchmarks.md")
     args = parser.parse_args(argv)
+    out = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(out):
+        _run(args)
+    if not args.no_record:
+        record(args.which, " ".join(argv if argv is not None else sys.argv[1:]), out.getvalue())
+    return 0
+
+
+def _run(args) -> None:
     {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run,
      "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)
-    return 0
+
+
+class _Tee(io.StringIO):
+    """Prints as it goes and keeps a copy (for :func:`record`)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.stream.flush()
+        return super().write(text)
+
+
+def _machine() -> str:
+    """The CPU model, cores and memory this run had."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+        mem = f", {kb / 2 ** 20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{model}, {os.cpu_count()} cores{mem}, torch {torch.__version__}"
+
+
+def record(which: str, command: str, output: str, page: Path | None = None) -> None:
+    """Write one benchmark's output into docs/benchmarks.md under "Latest", replacing its last run."""
+    page = page or Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    text = page.read_text(encoding="utf-8")
+    head, latest = text.split("## Latest\n", 1)
+    latest, sep, tail = latest.partition("\n## ")       # the sections after "Latest" stay as they are
+    intro, *runs = latest.split("\n### ")
+    sections = dict(r.split("\n", 1) for r in runs)      # benchmark → its recorded run
+    stamp = time.strftime("%Y-%m-%d %H:%M %Z")
+    sections[which] = (f"\n`python tools/bench.py {command}` — {stamp}, {_machine()}\n\n"
+                       f"```\n{output.rstrip()}\n```\n")
+    body = intro.rstrip("\n") + "\n" + "".join(f"\n### {k}\n{v.rstrip()}\n" for k, v in sections.items())
+    page.write_text(head + "## Latest\n" + body + ("\n" + sep.lstrip("\n") + tail if sep else ""), encoding="utf-8")
 
 
 if __name__ == "__main__":
