@@ -416,136 +416,25 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
     ``fused``: weights quantized on the way in with a tensor-wide scale share one amax per group
     a serving engine fuses (q/k/v, gate/up, …), as :func:`quantize_model` does; see there.
     """
-    from .conversion.core import convert_tensor, tensor_plan
     from .conversion.fused_scales import share_fused_amax
-    from .conversion.report import DROPPED, ConversionReport, TensorReport
+    from .conversion.report import ConversionReport
     from .conversion.sources import open_source
-    from .conversion.transforms import Step
     t0 = time.perf_counter()
     device = torch.device(device)
     _tie_hf(model)
     slots = _slots(model)
     with open_source(path, verify=verify) as source:
-        found = source.tensors
-        # names that share one tensor in the model count as present when any of them is saved
-        groups: dict[int, list[str]] = {}
-        for name, (_, _, _, t) in slots.items():
-            groups.setdefault(id(t), []).append(name)
-        missing = [n for n in slots if n not in found and not any(a in found for a in groups[id(slots[n][3])])]
-        unexpected = [n for n in found if n not in slots]
-        missing, unexpected = _hf_ignored(model, missing, "missing"), _hf_ignored(model, unexpected, "unexpected")
-        sliced = _slices(found, [n for n in slots if n in found], shard_fn, path) if shard_fn is not None else {}
-        mismatched = [f"{n}: checkpoint {list(sliced[n][2] if n in sliced else found[n].shape)} vs model "
-                      f"{list(slots[n][3].shape)}" for n in slots if n in found and
-                      tuple(sliced[n][2] if n in sliced else found[n].shape) != tuple(slots[n][3].shape)]
-        if mismatched:
-            raise CheckpointError("checkpoint does not fit this model; size mismatch for "
-                                  + "; ".join(mismatched[:20]) + (" …" if len(mismatched) > 20 else ""),
-                                  file=str(path))
-        if strict and (missing or unexpected):
-            raise CheckpointError(f"missing keys {missing[:20]}, unexpected keys {unexpected[:20]} "
-                                  "(strict=False to load what matches)", file=str(path))
-        # one decision per model tensor (tied names share it), all before any byte is read
-        first: dict[int, str] = {}
-        steps: dict[str, Any] = {}
-        problems: list[str] = []
-        for name in slots:
-            old = slots[name][3]
-            if name not in found or id(old) in first:
-                continue
-            first[id(old)] = name
-            steps[name], problem = _choose(found[name], old, derive_usages)
-            if problem:
-                problems.append(problem)
-        if problems:
-            text = "usage mismatch between checkpoint and model prototypes: " + "; ".join(problems[:20])
-            if strict:
-                raise CheckpointError(text, file=str(path))
-            warnings.warn(f"te-serial: {text}; taking the checkpoint's tensors as saved", stacklevel=2)
+        missing, unexpected, sliced = _match(model, slots, source.tensors, path, shard_fn, strict)
+        steps, first = _choose_steps(slots, source.tensors, derive_usages, strict, path)
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
         if device.type != "meta":  # quantized on the way in: one amax per fused group (reads its members)
             groups = fusion.groups_for(fusion.architecture_of(_hf_config(model) or source.config), fused)
             changed, notes = share_fused_amax(source.load, steps, groups, reexpress=False)
             steps.update(changed)
             rep.notes.extend(notes)
-        reports: dict[str, Any] = {}
-        loaded: dict[str, Any] = {}
-
-        def run(name: str, step, src=None):
-            st = found[name]
-            plan = tensor_plan(st, step)
-            try:
-                out, r, _ = convert_tensor(source, plan, "te", src=src)
-            except CheckpointError:
-                raise
-            except (TeSerialError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
-                raise ConversionError(f"{type(e).__name__}: {e}", file=str(path), tensor=name) from e
-            reports[name] = r
-            return out
-
-        direct = [n for n, s in steps.items() if s is None]
-        wrong = [n for n in sliced if n in steps and (steps[n] is not None or getattr(source, "ckpt", None) is None)]
-        if wrong:
-            raise CheckpointError(f"shard_fn slices {wrong[:5]}, which need converting on load; slices are read only "
-                                  "from a te-serial checkpoint in the model's format", file=str(path))
-        if device.type == "meta":  # prototypes only: nothing to read
-            for name, step in steps.items():
-                st, old = found[name], slots[name][3]
-                proto = st.proto if step is None else step.proto(st.shape)
-                loaded[name] = TensorProto(sliced[name][2] if name in sliced else proto.shape,
-                                           old.dtype if step is None and st.quantizer is None
-                                           else proto.dtype, proto.quantizer).create_tensor(device="meta")
-        else:
-            ckpt = getattr(source, "ckpt", None)  # a te-serial checkpoint: the one reader, mmap'd on CPU
-            if ckpt is not None and direct:
-                got = ckpt.load_tensors([n for n in direct if n not in sliced], device=device, verify=verify)
-                for n in direct:
-                    if n in sliced:  # this rank's range only: just its bytes
-                        got[n] = ckpt.get(n, device=device, verify=verify, rows=sliced[n][0], cols=sliced[n][1])
-            else:
-                got = {}
-            for name in direct:
-                st = found[name]
-                keep = Step("keep", st.quantizer, st.dtype, exact=True, builder="keep")
-                t = run(name, keep, got.pop(name) if name in got else None)
-                loaded[name] = t if t.device.type == device.type else t.to(device)
-            del got
-            for name, step in steps.items():  # conversions: one tensor at a time, on CPU, then moved
-                if step is not None:
-                    out = run(name, step)
-                    loaded[name] = out if out.device.type == device.type else out.to(device)
-                    del out
-                    if found[name].nbytes >= _TRIM_BYTES:
-                        _trim_heap()
-        done: dict[int, Any] = {}  # original tensor id → new tensor, so tied slots stay one object
-        for name in slots:
-            if name not in loaded:
-                continue
-            module, attr, is_param, old = slots[name]
-            new = _with_nominal(loaded.pop(name), old.dtype)
-            if not assign and old.device.type != "meta":
-                with torch.no_grad():
-                    old.copy_(new)
-                done[id(old)] = old
-                continue
-            quantized_slot = isinstance(old, QuantizedTensorStorage)
-            grad = old.requires_grad if (quantized_slot or not isinstance(new, QuantizedTensorStorage)) \
-                else found[name].proto.requires_grad
-            done[id(old)] = _set(module, attr, is_param, new, grad)
-        for name, (module, attr, is_param, old) in slots.items():  # tied partners of loaded names
-            if id(old) in done and name not in reports:
-                (module._parameters if is_param else module._buffers)[attr] = done[id(old)]
-                ref = reports.get(first.get(id(old), ""))
-                if ref is not None:
-                    reports[name] = TensorReport(name, ref.shape, ref.source, ref.target, "tied", ref.label,
-                                                 ref.max_abs_err, ref.rel_rmse, ref.snr_db, 0, 0,
-                                                 f"tied to {first[id(old)]}")
-        # in the checkpoint's order, as convert reports it; then tied names the checkpoint does not hold
-        rep.tensors = [reports[n] for n in found if n in reports] + \
-            [reports[n] for n in slots if n in reports and n not in found]
-        for name, (reason, nbytes) in source.dropped.items():
-            rep.tensors.append(TensorReport(name, (), "activation scale", "-", "drop", DROPPED,
-                                            src_bytes=nbytes, note=reason))
+        loaded, reports = _read_steps(source, slots, steps, sliced, device, verify, path)
+        done = _assign_loaded(slots, loaded, source.tensors, assign)
+        rep.tensors = _load_reports(source, slots, first, done, reports)
         rep.notes.extend(f"unexpected (not loaded): {n}" for n in unexpected)
     missing = [n for n in missing if id(slots[n][3]) not in done]
     if device.type != "meta":
@@ -560,6 +449,146 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
     if report is not None:
         rep.save(report)
     return model if strict else LoadResult(model, missing, unexpected, rep)
+
+
+def _match(model: nn.Module, slots: dict, found: dict, path, shard_fn, strict: bool
+           ) -> tuple[list[str], list[str], dict]:
+    """(missing, unexpected, this rank's slices) of the checkpoint against the model's tensors;
+    refuses shapes that do not fit, and under ``strict`` any missing or unexpected key."""
+    # names that share one tensor in the model count as present when any of them is saved
+    groups: dict[int, list[str]] = {}
+    for name, (_, _, _, t) in slots.items():
+        groups.setdefault(id(t), []).append(name)
+    missing = [n for n in slots if n not in found and not any(a in found for a in groups[id(slots[n][3])])]
+    unexpected = [n for n in found if n not in slots]
+    missing, unexpected = _hf_ignored(model, missing, "missing"), _hf_ignored(model, unexpected, "unexpected")
+    sliced = _slices(found, [n for n in slots if n in found], shard_fn, path) if shard_fn is not None else {}
+    mismatched = [f"{n}: checkpoint {list(sliced[n][2] if n in sliced else found[n].shape)} vs model "
+                  f"{list(slots[n][3].shape)}" for n in slots if n in found and
+                  tuple(sliced[n][2] if n in sliced else found[n].shape) != tuple(slots[n][3].shape)]
+    if mismatched:
+        raise CheckpointError("checkpoint does not fit this model; size mismatch for "
+                              + "; ".join(mismatched[:20]) + (" …" if len(mismatched) > 20 else ""), file=str(path))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"missing keys {missing[:20]}, unexpected keys {unexpected[:20]} "
+                              "(strict=False to load what matches)", file=str(path))
+    return missing, unexpected, sliced
+
+
+def _choose_steps(slots: dict, found: dict, derive_usages: bool, strict: bool, path) -> tuple[dict, dict[int, str]]:
+    """One decision per model tensor (tied names share it), all before any byte is read: (name →
+    its conversion step, None to take the checkpoint's tensor as it is; tensor id → its first name)."""
+    first: dict[int, str] = {}
+    steps: dict[str, Any] = {}
+    problems: list[str] = []
+    for name in slots:
+        old = slots[name][3]
+        if name not in found or id(old) in first:
+            continue
+        first[id(old)] = name
+        steps[name], problem = _choose(found[name], old, derive_usages)
+        if problem:
+            problems.append(problem)
+    if problems:
+        text = "usage mismatch between checkpoint and model prototypes: " + "; ".join(problems[:20])
+        if strict:
+            raise CheckpointError(text, file=str(path))
+        warnings.warn(f"te-serial: {text}; taking the checkpoint's tensors as saved", stacklevel=3)
+    return steps, first
+
+
+def _read_steps(source, slots: dict, steps: dict, sliced: dict, device: torch.device, verify: bool, path
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(name → the tensor for the model, name → its report): the checkpoint's tensors as they are
+    (a te-serial checkpoint through the one reader, mmap'd on CPU; slices read alone), then the
+    conversions one at a time on CPU, moved to ``device``; meta prototypes on ``meta``."""
+    from .conversion.core import convert_tensor, tensor_plan
+    from .conversion.transforms import Step
+    found = source.tensors
+    reports: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
+
+    def run(name: str, step, src=None):
+        try:
+            out, reports[name], _ = convert_tensor(source, tensor_plan(found[name], step), "te", src=src)
+        except CheckpointError:
+            raise
+        except (TeSerialError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
+            raise ConversionError(f"{type(e).__name__}: {e}", file=str(path), tensor=name) from e
+        return out if out.device.type == device.type else out.to(device)
+
+    direct = [n for n, s in steps.items() if s is None]
+    ckpt = getattr(source, "ckpt", None)  # a te-serial checkpoint
+    wrong = [n for n in sliced if n in steps and (steps[n] is not None or ckpt is None)]
+    if wrong:
+        raise CheckpointError(f"shard_fn slices {wrong[:5]}, which need converting on load; slices are read only "
+                              "from a te-serial checkpoint in the model's format", file=str(path))
+    if device.type == "meta":  # prototypes only: nothing to read
+        for name, step in steps.items():
+            st, old = found[name], slots[name][3]
+            proto = st.proto if step is None else step.proto(st.shape)
+            loaded[name] = TensorProto(sliced[name][2] if name in sliced else proto.shape,
+                                       old.dtype if step is None and st.quantizer is None
+                                       else proto.dtype, proto.quantizer).create_tensor(device="meta")
+        return loaded, reports
+    got = {}
+    if ckpt is not None and direct:
+        got = ckpt.load_tensors([n for n in direct if n not in sliced], device=device, verify=verify)
+        for n in direct:
+            if n in sliced:  # this rank's range only: just its bytes
+                got[n] = ckpt.get(n, device=device, verify=verify, rows=sliced[n][0], cols=sliced[n][1])
+    for name in direct:
+        st = found[name]
+        loaded[name] = run(name, Step("keep", st.quantizer, st.dtype, exact=True, builder="keep"), got.pop(name, None))
+    del got
+    for name, step in steps.items():  # conversions: one tensor at a time
+        if step is not None:
+            loaded[name] = run(name, step)
+            if found[name].nbytes >= _TRIM_BYTES:
+                _trim_heap()
+    return loaded, reports
+
+
+def _assign_loaded(slots: dict, loaded: dict[str, Any], found: dict, assign: bool) -> dict[int, Any]:
+    """Put each loaded tensor into its slot (replaced, or copied into with ``assign=False``), with
+    the ``requires_grad`` ``load_into`` promises; tied partners get the same object. Original
+    tensor id → the new tensor."""
+    done: dict[int, Any] = {}
+    names = set(loaded)
+    for name in slots:
+        if name not in names:
+            continue
+        module, attr, is_param, old = slots[name]
+        new = _with_nominal(loaded.pop(name), old.dtype)
+        if not assign and old.device.type != "meta":
+            with torch.no_grad():
+                old.copy_(new)
+            done[id(old)] = old
+            continue
+        quantized_slot = isinstance(old, QuantizedTensorStorage)
+        grad = old.requires_grad if (quantized_slot or not isinstance(new, QuantizedTensorStorage)) \
+            else found[name].proto.requires_grad
+        done[id(old)] = _set(module, attr, is_param, new, grad)
+    for name, (module, attr, is_param, old) in slots.items():  # tied partners of loaded names
+        if id(old) in done and name not in names:
+            (module._parameters if is_param else module._buffers)[attr] = done[id(old)]
+    return done
+
+
+def _load_reports(source, slots: dict, first: dict[int, str], done: dict[int, Any], reports: dict[str, Any]) -> list:
+    """The report's rows: in the checkpoint's order, as convert reports it; then tied names the
+    checkpoint does not hold; then what the source drops (activation scales)."""
+    from .conversion.report import DROPPED, TensorReport
+    found = source.tensors
+    for name, (_, _, _, old) in slots.items():
+        ref = reports.get(first.get(id(old), ""))
+        if id(old) in done and name not in reports and ref is not None:
+            reports[name] = TensorReport(name, ref.shape, ref.source, ref.target, "tied", ref.label,
+                                         ref.max_abs_err, ref.rel_rmse, ref.snr_db, 0, 0, f"tied to {first[id(old)]}")
+    rows = [reports[n] for n in found if n in reports] + [reports[n] for n in slots if n in reports and n not in found]
+    rows += [TensorReport(name, (), "activation scale", "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
+             for name, (reason, nbytes) in source.dropped.items()]
+    return rows
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -363,6 +363,7 @@ class _Output:
     def __init__(self, dst: Path, family: str, plans: list[TensorPlan], limit: int, source: Source,
                  metadata: dict[str, str]) -> None:
         self.dst, self.family, self.plans = dst, family, plans
+        self.planned = {p.name for p in plans}
         self.single = dst.suffix == ".safetensors"
         self.root = dst.parent if self.single else dst
         self.old = self._existing()
@@ -582,13 +583,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     limit = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
     with open_source(src_path, dtype=out_dtype) as source:
-        if grouped is None:
-            grouped = "keep" if Rules(load_rules(rules) if isinstance(rules, (str, os.PathLike)) else rules,
-                                      recipe).family() == "te" else "split"
-        if grouped not in GROUPED_MODES:
-            raise ConversionError(f"grouped must be one of {list(GROUPED_MODES)}, got {grouped!r}", field="grouped")
-        if grouped != "keep":
-            source = GroupedView(source, grouped)
+        source = _grouped_view(source, grouped, rules, recipe)
         family, spec, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype, usages=usages,
                                               activations=activations, activation_amax=activation_amax, fused=fused)
         single = dst_path.suffix == ".safetensors"
@@ -602,92 +597,131 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
         if spec is not None:
             rep.notes.append(spec.note)
         rep.notes.extend(_share_fused_scales(source, plans, fused, spec))
-        metadata = dict(source.metadata) if family == "te" else {}
-        if family == "te":
-            metadata["te_serial.converted_from"] = source.layout
-            acts = {**source.activation_amax, **_parse_amax(activation_amax)}
-            if acts and source.layout != "te-serial" or activation_amax is not None:
-                metadata[ACT_AMAX_KEY] = json.dumps({k: float(v).hex() for k, v in sorted(acts.items())})
-        out = _Output(dst_path, family, plans, limit, source, metadata)
-        total = source.nbytes
-        done = 0
-        reports: dict[str, TensorReport] = {}
-        if progress is not None:
-            progress(0, total, "")
-
-        def read(plan: TensorPlan) -> tuple[torch.Tensor, Callable[[], None] | None]:
-            if _computes(plan.step):
-                return to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None
-            # a byte relayout: the source's pages go to the output as they are, checked once written
-            return _guarded(source, plan, lambda: source.stream(plan.name))
-
-        def compute(plan: TensorPlan, item) -> tuple[torch.Tensor, Callable[[], None] | None]:
-            nonlocal done
-            src, check = item
-            result, reports[plan.name], _ = _guarded(
-                source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
-            if plan.src.alias_of is None:
-                done += plan.src.nbytes
-            if progress is not None:
-                progress(done, total, plan.name)
-            return result, check
-
-        def write(plan: TensorPlan, item) -> None:
-            result, check = item
-            _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
-            if check is not None:  # before anything is committed
-                _guarded(source, plan, check)
-
+        out = _Output(dst_path, family, plans, limit, source, _metadata(source, family, activation_amax))
         try:
-            items = [p for p in plans if p.alias_of is None]
-            run_pipeline(items, read, compute, write, size=_output_bytes,
-                         write_budget=3 * max(map(_output_bytes, items), default=0) // 2)
-            for plan in plans:
-                if plan.alias_of is not None:
-                    st, ref = plan.src, reports.get(plan.alias_of)
-                    reports[plan.name] = TensorReport(plan.name, st.shape, _src_fmt(st), plan.target, "tied",
-                                                      ref.label if ref else LOSSLESS,
-                                                      ref.max_abs_err if ref else 0.0, ref.rel_rmse if ref else 0.0,
-                                                      ref.snr_db if ref else math.inf, 0, 0,
-                                                      f"tied to {plan.alias_of}")
-            if progress is not None:
-                progress(total, total, "")
+            reports = _convert_all(source, plans, family, out, dev, stats, progress)
             if spec is not None:
                 rep.notes.extend(_check_fused_scales(spec, out.shared))
-            dropped = {name: (source.info(name)[1], "activation scale", reason,
-                              nbytes) for name, (reason, nbytes) in source.dropped.items()}
-            for name in (spec.dropped if spec is not None else ()):
-                st = source.tensors[name]
-                dropped[name] = (st.shape, _src_fmt(st), "TE module state (scales, amax history): not a weight; "
-                                 "its amax history gives the layer's activation amax", st.nbytes)
-            for name, (shape, what, reason, nbytes) in dropped.items():
-                reports[name] = TensorReport(name, shape, what, "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
-            config = _config(spec, family, source, plans)
-            aux = source.aux_files if source.path.is_dir() else []
-            if config is not None and single:
-                config = None  # a single file has nowhere to put it
-            extra = {}
-            if spec is not None:
-                ignored = config["quantization_config"].get("ignore", config["quantization_config"].get(
-                    "exclude_modules", config["quantization_config"].get("ignored_layers", [])))
-                extra.update(spec.layout.extra_files(spec.groups(), ignored))
-                extra[SIDECAR_NAME] = write_sidecar(out.sidecar, spec.activation_amax)
-            rep.files = out.commit(config, [] if single else aux, extra)
+            reports.update(_dropped(source, spec))
+            rep.files = _commit(out, source, spec, family, plans, single)
         except BaseException:
             out.abort()
             raise
-        rep.tensors = [reports[p.name] for p in plans] + [reports[n] for n in dropped]
-        rep.notes.extend(_route_notes(rep.tensors))
-        if source.tree is not None and family != "te":
-            rep.notes.append("the te-serial checkpoint's non-tensor values (its tree) are not kept in safetensors")
-        for name, note in source.notes.items():
-            rep.notes.append(f"{name}: {note}")
-        if spec is not None and source.config is None:
-            rep.notes.append("the source has no config.json: the written config.json holds only quantization_config")
+        rep.tensors = [reports[p.name] for p in plans] + [reports[n] for n in reports if n not in out.planned]
+        rep.notes.extend(_source_notes(source, spec, family, rep.tensors))
     rep.seconds = time.perf_counter() - t0
     if report is not None:
         rep.save(report)
     return rep
+
+
+def _grouped_view(source: Source, grouped: str | None, rules, recipe: str | None) -> Source:
+    """``source`` with its grouped (MoE) weights kept, split or merged (``convert``'s ``grouped``;
+    default: kept for te-serial outputs, split for Hugging Face and serving layouts)."""
+    if grouped is None:
+        grouped = "keep" if Rules(load_rules(rules) if isinstance(rules, (str, os.PathLike)) else rules,
+                                  recipe).family() == "te" else "split"
+    if grouped not in GROUPED_MODES:
+        raise ConversionError(f"grouped must be one of {list(GROUPED_MODES)}, got {grouped!r}", field="grouped")
+    return source if grouped == "keep" else GroupedView(source, grouped)
+
+
+def _metadata(source: Source, family: str, activation_amax) -> dict[str, str]:
+    """A te-serial output's metadata: the source's, where it came from, and the activation amax."""
+    if family != "te":
+        return {}
+    metadata = dict(source.metadata)
+    metadata["te_serial.converted_from"] = source.layout
+    acts = {**source.activation_amax, **_parse_amax(activation_amax)}
+    if acts and source.layout != "te-serial" or activation_amax is not None:
+        metadata[ACT_AMAX_KEY] = json.dumps({k: float(v).hex() for k, v in sorted(acts.items())})
+    return metadata
+
+
+def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Output", dev: torch.device,
+                 stats: str, progress: ProgressFn | None) -> dict[str, TensorReport]:
+    """Every tensor read, converted and written (three overlapping stages), one at a time; a tied
+    tensor reported as its partner. The reports by name."""
+    total, done = source.nbytes, 0
+    reports: dict[str, TensorReport] = {}
+    if progress is not None:
+        progress(0, total, "")
+
+    def read(plan: TensorPlan) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        if _computes(plan.step):
+            return to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None
+        # a byte relayout: the source's pages go to the output as they are, checked once written
+        return _guarded(source, plan, lambda: source.stream(plan.name))
+
+    def compute(plan: TensorPlan, item) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        nonlocal done
+        src, check = item
+        result, reports[plan.name], _ = _guarded(
+            source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+        if plan.src.alias_of is None:
+            done += plan.src.nbytes
+        if progress is not None:
+            progress(done, total, plan.name)
+        return result, check
+
+    def write(plan: TensorPlan, item) -> None:
+        result, check = item
+        _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
+        if check is not None:  # before anything is committed
+            _guarded(source, plan, check)
+
+    items = [p for p in plans if p.alias_of is None]
+    run_pipeline(items, read, compute, write, size=_output_bytes,
+                 write_budget=3 * max(map(_output_bytes, items), default=0) // 2)
+    for plan in plans:
+        if plan.alias_of is not None:
+            st, ref = plan.src, reports.get(plan.alias_of)
+            reports[plan.name] = TensorReport(plan.name, st.shape, _src_fmt(st), plan.target, "tied",
+                                              ref.label if ref else LOSSLESS,
+                                              ref.max_abs_err if ref else 0.0, ref.rel_rmse if ref else 0.0,
+                                              ref.snr_db if ref else math.inf, 0, 0, f"tied to {plan.alias_of}")
+    if progress is not None:
+        progress(total, total, "")
+    return reports
+
+
+def _dropped(source: Source, spec: ExportSpec | None) -> dict[str, TensorReport]:
+    """Reports of what the output leaves out: a layout's activation scales, TE module state."""
+    dropped = {name: (source.info(name)[1], "activation scale", reason, nbytes)
+               for name, (reason, nbytes) in source.dropped.items()}
+    for name in (spec.dropped if spec is not None else ()):
+        st = source.tensors[name]
+        dropped[name] = (st.shape, _src_fmt(st), "TE module state (scales, amax history): not a weight; "
+                         "its amax history gives the layer's activation amax", st.nbytes)
+    return {name: TensorReport(name, shape, what, "-", "drop", DROPPED, src_bytes=nbytes, note=reason)
+            for name, (shape, what, reason, nbytes) in dropped.items()}
+
+
+def _commit(out: "_Output", source: Source, spec: ExportSpec | None, family: str, plans: list[TensorPlan],
+            single: bool) -> list[str]:
+    """Commit the written tensors with config.json, a layout's own files and the export sidecar
+    (a single file carries none of them); the files written."""
+    config = None if single else _config(spec, family, source, plans)
+    aux = source.aux_files if source.path.is_dir() and not single else []
+    extra = {}
+    if spec is not None:
+        qc = config["quantization_config"] if config is not None else {}
+        ignored = qc.get("ignore", qc.get("exclude_modules", qc.get("ignored_layers", [])))
+        extra.update(spec.layout.extra_files(spec.groups(), ignored))
+        extra[SIDECAR_NAME] = write_sidecar(out.sidecar, spec.activation_amax)
+    return out.commit(config, aux, extra)
+
+
+def _source_notes(source: Source, spec: ExportSpec | None, family: str, tensors: list[TensorReport]) -> list[str]:
+    """The report's closing notes: routes that round scales, what the source had that the output
+    cannot hold, the import's own notes."""
+    notes = _route_notes(tensors)
+    if source.tree is not None and family != "te":
+        notes.append("the te-serial checkpoint's non-tensor values (its tree) are not kept in safetensors")
+    notes.extend(f"{name}: {note}" for name, note in source.notes.items())
+    if spec is not None and source.config is None:
+        notes.append("the source has no config.json: the written config.json holds only quantization_config")
+    return notes
 
 
 def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None) -> list[str]:
