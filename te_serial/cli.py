@@ -73,6 +73,8 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("demo", help="quantize a few tensors with every recipe; print sizes and errors")
+    sub.add_parser("build-kernels", help="build the C kernels for this machine now (else the first compiled "
+                                         "quantize builds them; eager paths never do)")
 
     p = sub.add_parser("inspect", help="list a checkpoint's tensors (any layout te-serial reads)",
                        epilog="example:\n  te-serial inspect model/ --as nvfp4_2d",
@@ -326,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
             return run_demo()
+        if args.command == "build-kernels":
+            from . import native
+            path = native.build()
+            out.write(f"te-serial C kernels: {path}\n" if path else "te-serial C kernels could not be built "
+                      "(see the warning); torch's own ops run instead\n")
+            return 0 if path else 1
         if args.command == "inspect":
             return cmd_inspect(args, out)
         if args.command == "convert":

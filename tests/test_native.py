@@ -29,6 +29,14 @@ def _random_bytes(shape, seed=0):
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    """The kernels built once for this module, as the first compiled call (or ``te-serial
+    build-kernels``) builds them: the eager paths below only load a library already built."""
+    if shutil.which("cc") is not None:
+        native.available()
+
+
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
     """te_serial.native with no library loaded yet and its cache in ``tmp_path``."""
@@ -323,12 +331,58 @@ def test_cast_switched_off_gives_the_same_codes(fresh_native, monkeypatch):
     assert torch.equal(_native_codes(x.view(64, 3, 32), s, torch.float8_e4m3fn), want)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+#: x86-64 micro-architecture levels: the flags a host needs to run each (psABI), and the generic build
+_TIERS = {"generic": ((), set()),
+          "x86-64-v2": (("-march=x86-64-v2",), {"sse4_2", "ssse3", "popcnt"}),
+          "x86-64-v3": (("-march=x86-64-v3",), {"avx2", "fma", "bmi1", "bmi2", "movbe", "f16c"}),
+          "x86-64-v4": (("-march=x86-64-v4",), {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})}
+
+
+def test_the_eager_path_never_starts_a_compiler(tmp_path):
+    """An eager quantize of every format with no kernels built: no compiler is run (a CC that
+    records being called), no warning is printed, and the bytes are torch's own ops'."""
+    import subprocess
+    import sys
+    marker = tmp_path / "cc-ran"
+    cc = tmp_path / "cc.sh"
+    cc.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    cc.chmod(0o755)
+    code = ("import torch, warnings, te_serial as ts\n"
+            "warnings.simplefilter('error')\n"
+            "x = torch.randn(256, 512, dtype=torch.bfloat16)\n"
+            "for q in (ts.Float8CurrentScalingQuantizer(torch.float8_e4m3fn), ts.Float8Quantizer(1.0, 0.0, "
+            "torch.float8_e4m3fn), ts.NVFP4Quantizer(), ts.NVFP4Quantizer(with_2d_quantization=True), "
+            "ts.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1), ts.MXFP8Quantizer()):\n"
+            "    q.quantize(x, eager=True).dequantize()\n"
+            "print('done')\n")
+    env = {**os.environ, "CC": str(cc), native.CACHE_ENV: str(tmp_path / "cache")}
+    env.pop(native.NATIVE_ENV, None)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "done", res.stderr[-2000:]
+    assert "warn" not in res.stderr.lower(), res.stderr[-2000:]
+    assert not marker.exists(), "an eager quantize ran the compiler"
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fallback is torch itself")
-def test_the_portable_build_gives_the_same_codes(fresh_native, monkeypatch):
-    """Built without this CPU's instruction set and without OpenMP (the flags a compiler that refuses
-    them leaves): the generic vector code and one thread give the eager codes too."""
-    monkeypatch.setattr(fresh_native, "_OPTIONAL_FLAGS", ((),))
-    assert fresh_native.available()
+@pytest.mark.parametrize("tier", list(_TIERS))
+def test_each_simd_tier_gives_the_same_codes(tier, fresh_native, monkeypatch):
+    """Built for each x86-64 level the host can run (and the generic target, one thread, as a
+    compiler that refuses the flags leaves it), with -Wall -Werror: every loop gives the eager codes."""
+    flags, needs = _TIERS[tier]
+    if tier != "generic":
+        import platform
+        if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
+            pytest.skip(f"this host cannot run {tier} code (needs {sorted(needs - _cpu_flags())})")
+    monkeypatch.setattr(fresh_native, "_OPTIONAL_FLAGS", (flags,))
+    assert fresh_native.available() and fresh_native.build() is not None
     x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     for fp8_dtype in FP8_TYPES:
         for xs, s in [(x.reshape(256, 256), torch.tensor(0.37)), (x.reshape(2048, 32), torch.rand(2048, 1) + 0.5),

@@ -1,4 +1,4 @@
-"""Native kernels: a small C library built on first use, with torch fallbacks.
+"""Native kernels: a small C library built where a build is expected, with torch fallbacks.
 
 * :func:`transpose_bytes` gives a 2-D array of 1-byte codes transposed, the same bytes: how the
   formats derive columnwise codes from codes computed in row order (``formats/``). torch's copy of a
@@ -23,16 +23,21 @@
   :func:`scale_cast_fp4_4over6_pair` gives both usages of 16×16 tiles from one pass.
 * Outputs of 4 MB and more ask for huge pages (:func:`_output`).
 
-Why a C library built at first use rather than a compiled wheel: te-serial stays one pure-Python
-package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. It is
+Why a C library built on the machine rather than a compiled wheel: te-serial stays one pure-Python
+package, and the compiler it needs is the one inductor (``formats/fused.py``) already calls. So it is
+built where a compiler is expected to run: on the first compiled quantize (inductor compiles there
+anyway), or explicitly with ``te-serial build-kernels``. An eager path never starts a compiler: it
+loads a library already built, else runs torch's own ops, silently. It is
 built for the CPU it runs on (``-march=native``), with ``-ffp-contract=off`` and no fast-math, so
 each product and sum rounds once, as torch's do, and with ``-fopenmp``: its kernels split their
 rows among the OpenMP threads of torch's own runtime, as inductor's kernels do (a pool of its own
 contended with the threads torch leaves spinning after each parallel region). Where the compiler
-refuses a flag, the build drops it (the generic target, one thread). The shared object is cached per
-source, compiler, flags and CPU under :func:`cache_dir`; where it cannot be built or loaded (no
-compiler, a read-only home) one warning says why and torch's own ops run. ``TE_SERIAL_NATIVE=0``
-skips it.
+refuses a flag, the build drops it (the generic target, one thread); ``-Wall -Werror`` stay (OpenMP's
+pragmas aside, which a build without OpenMP ignores, and the note that vector arguments change the
+ABI, which holds for calls between files alone). The
+shared object is cached per source, compiler, flags and CPU under :func:`cache_dir`; where a build
+cannot be made or loaded (no compiler, a read-only home) one warning says why and torch's own ops
+run. ``TE_SERIAL_NATIVE=0`` skips it.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ _HUGE_BYTES = 4 << 20
 _STRIPE = 64
 #: compiler flags, then the optional ones, tried in this order until the compiler takes a set: this
 #: CPU's instruction set and OpenMP, either alone (Apple's clang has no -fopenmp), neither
-_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+          "-Wno-psabi")
 _OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 
 _lock = threading.Lock()
@@ -89,14 +95,20 @@ def _cpu_id() -> bytes:
         return platform.processor().encode()
 
 
-def _build(source: bytes) -> Path:
-    """The shared object for ``source``: from the cache, else compiled into it (written under a
-    temporary name and renamed, so concurrent builds never load a half-written file)."""
+def _cached(source: bytes) -> Path:
+    """Where the shared object for ``source`` (this compiler, flags and CPU) is kept."""
     cc = os.environ.get("CC") or "cc"
     key = hashlib.sha256(b"\0".join([source, cc.encode(), repr((_FLAGS, _OPTIONAL_FLAGS)).encode(),
                                      platform.machine().encode(), platform.system().encode(),
                                      _cpu_id()])).hexdigest()[:16]
-    out = cache_dir() / f"te_serial_native-{key}.so"
+    return cache_dir() / f"te_serial_native-{key}.so"
+
+
+def _build(source: bytes) -> Path:
+    """The shared object for ``source``: from the cache, else compiled into it (written under a
+    temporary name and renamed, so concurrent builds never load a half-written file)."""
+    cc = os.environ.get("CC") or "cc"
+    out = _cached(source)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,10 +126,17 @@ def _build(source: bytes) -> Path:
     return out
 
 
-def _library() -> ctypes.CDLL | None:
-    """The loaded library, or None where it is switched off or could not be built (warned once)."""
+def _library(build: bool = False) -> ctypes.CDLL | None:
+    """The loaded library, or None where it is switched off or could not be built (warned once).
+    ``build``: compile it where no build is cached; otherwise (the eager paths) only a library
+    already built is loaded, and the callers run torch's own ops, without a word."""
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
+    if "lib" not in _state and not build:
+        if "path" not in _state:  # hashed once per process (the source, compiler, flags, CPU)
+            _state["path"] = _cached(resources.files(__name__).joinpath("kernels.c").read_bytes())
+        if not _state["path"].exists():
+            return None
     with _lock:
         if "lib" not in _state:
             try:
@@ -159,8 +178,17 @@ def _library() -> ctypes.CDLL | None:
 
 @torch.compiler.assume_constant_result  # a constant to a graph that asks (the loading is not traced)
 def available() -> bool:
-    """Whether the C kernels are built and loaded (building them on first call)."""
-    return _library() is not None
+    """Whether the C kernels are built and loaded, building them where no build is cached: called
+    where a build is expected (a compiled graph's first trace, ``te-serial build-kernels``)."""
+    return _library(build=True) is not None
+
+
+def build() -> Path | None:
+    """Build (or find) the C kernels for this machine; the shared object's path, None where they
+    cannot be built (the warning says why) or are switched off."""
+    if not available():
+        return None
+    return _cached(resources.files(__name__).joinpath("kernels.c").read_bytes())
 
 
 def _threads(rows: int, nbytes: int, unit: int) -> int:
@@ -233,7 +261,7 @@ def _magnitude_pass(x: torch.Tensor) -> tuple[ctypes.CDLL, int] | None:
     if (inf_bits is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.numel() == 0
             or tracing()):
         return None
-    lib = _library()
+    lib = _library(build=True)  # only fused.nan_free_amaxes asks: the compiled path, where a build is expected
     return None if lib is None else (lib, inf_bits)
 
 
