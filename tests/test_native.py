@@ -765,3 +765,16 @@ def test_large_outputs_ask_for_huge_pages():
     small = native._output(lib, (64 << 10,), torch.uint8)
     assert small.shape == (64 << 10,) and small.dtype == torch.uint8
     assert lib.te_serial_prefer_huge_pages(small.data_ptr(), 64 << 10) == 0  # no whole 2 MB page: nothing asked
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on PATH")
+def test_a_library_of_another_interface_version_is_refused(fresh_native, monkeypatch):
+    """The signature table describes one interface version; a library declaring another (a stale
+    build, a hand-made one) is never called: torch's ops run, and one warning says why."""
+    assert fresh_native.available()
+    fresh_native._state.clear()
+    monkeypatch.setattr(fresh_native, "_ABI_VERSION", fresh_native._ABI_VERSION + 1)
+    with pytest.warns(RuntimeWarning, match="interface version"):
+        assert not fresh_native.available()
+    x = _random_bytes((64, 48), seed=9)
+    assert torch.equal(fresh_native.transpose_bytes(x), x.t())

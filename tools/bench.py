@@ -675,6 +675,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> None:
+    import bench_convert  # noqa: E402 - tools/ is this script's directory
     {"quantize": bench_quantize, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run,
      "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)

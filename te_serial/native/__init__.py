@@ -72,6 +72,25 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Werror", "-
           "-Wno-psabi")
 _OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 
+_I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+#: the interface version kernels.c declares (te_serial_abi_version) and the table below describes
+_ABI_VERSION = 1
+#: every C function's signature, in one table: name → (argument types, return type)
+_SIGNATURES: dict[str, tuple[list, object]] = {
+    "te_serial_abi_version": ([], _I32),
+    "te_serial_prefer_huge_pages": ([_PTR, _I64], _I32),
+    "te_serial_transpose_u8": ([_PTR, _PTR] + [_I64] * 4 + [_I32], None),
+    "te_serial_block_amax_u16": ([_PTR] + [_I64] * 4 + [ctypes.c_uint16, _PTR, _PTR, _I32], _I32),
+    "te_serial_amax_u16": ([_PTR] + [_I64] * 3 + [ctypes.c_uint16, _I32], _I32),
+    "te_serial_scale_cast_fp8": ([_PTR, _PTR, _PTR, _I32, _I32] + [_I64] * 7 + [_I32, _I32], _I32),
+    "te_serial_scale_cast_fp8_t": ([_PTR] * 4 + [_I32, _I32] + [_I64] * 6 + [_I32, _I64, _I64, _I32], _I32),
+    "te_serial_scale_cast_fp4": ([_PTR, _PTR, _PTR, _I32] + [_I64] * 7 + [_I32, _I32, _I32], _I32),
+    "te_serial_fp4_4over6": ([_PTR, _I32, _I64, _I64] + [_PTR] * 6 + [_I32, _F32, _F32, _I32, _I32], _I32),
+    "te_serial_fp4_4over6_tiles": ([_PTR, _I32, _I64, _I64] + [_PTR] * 8 + [_F32, _F32, _I32, _I32], _I32),
+    "te_serial_dequant_fp8": ([_PTR, _PTR, _PTR, _I32] + [_I64] * 7 + [_I32, _I32], None),
+    "te_serial_scale_cast_fp8_pair": ([_PTR] * 5 + [_I32, _I32, _I64, _I64, _I64, _I32], _I32),
+}
+
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -142,33 +161,13 @@ def _library(build: bool = False) -> ctypes.CDLL | None:
             try:
                 source = resources.files(__name__).joinpath("kernels.c").read_bytes()
                 lib = ctypes.CDLL(str(_build(source)))
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                i32 = ctypes.c_int
-                lib.te_serial_prefer_huge_pages.argtypes = [ptr, i64]
-                lib.te_serial_prefer_huge_pages.restype = i32
-                lib.te_serial_transpose_u8.argtypes = [ptr, ptr] + [i64] * 4 + [i32]
-                lib.te_serial_transpose_u8.restype = None
-                lib.te_serial_block_amax_u16.argtypes = [ptr] + [i64] * 4 + [ctypes.c_uint16, ptr, ptr, i32]
-                lib.te_serial_block_amax_u16.restype = i32
-                lib.te_serial_amax_u16.argtypes = [ptr] + [i64] * 3 + [ctypes.c_uint16, i32]
-                lib.te_serial_amax_u16.restype = i32
-                lib.te_serial_scale_cast_fp8.argtypes = [ptr, ptr, ptr, i32, i32] + [i64] * 7 + [i32, i32]
-                lib.te_serial_scale_cast_fp8.restype = i32
-                lib.te_serial_scale_cast_fp8_t.argtypes = [ptr] * 4 + [i32, i32] + [i64] * 6 + [i32, i64, i64, i32]
-                lib.te_serial_scale_cast_fp8_t.restype = i32
-                lib.te_serial_scale_cast_fp4.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32, i32]
-                lib.te_serial_scale_cast_fp4.restype = i32
-                f32 = ctypes.c_float
-                lib.te_serial_fp4_4over6.argtypes = [ptr, i32, i64, i64] + [ptr] * 6 + [i32, f32, f32, i32, i32]
-                lib.te_serial_fp4_4over6.restype = i32
-                lib.te_serial_fp4_4over6_tiles.argtypes = [ptr, i32, i64, i64] + [ptr] * 8 + [f32, f32, i32, i32]
-                lib.te_serial_fp4_4over6_tiles.restype = i32
-                lib.te_serial_dequant_fp8.argtypes = [ptr, ptr, ptr, i32] + [i64] * 7 + [i32, i32]
-                lib.te_serial_dequant_fp8.restype = None
-                lib.te_serial_scale_cast_fp8_pair.argtypes = [ptr] * 5 + [i32, i32, i64, i64, i64, i32]
-                lib.te_serial_scale_cast_fp8_pair.restype = i32
+                for fn, (argtypes, restype) in _SIGNATURES.items():
+                    getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+                if lib.te_serial_abi_version() != _ABI_VERSION:
+                    raise OSError(f"library interface version {lib.te_serial_abi_version()}, this te-serial "
+                                  f"describes {_ABI_VERSION}")
                 _state["lib"], _state["pid"] = lib, os.getpid()
-            except (OSError, subprocess.SubprocessError) as e:
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:  # AttributeError: a missing symbol
                 _state["lib"] = None
                 warnings.warn(f"te_serial: native byte kernels unavailable ({e}); torch's own ops run "
                               f"instead, slower. Set {NATIVE_ENV}=0 to skip building them", RuntimeWarning,

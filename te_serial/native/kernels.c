@@ -21,6 +21,10 @@
 #include <sys/mman.h>
 #endif
 
+/* The version of this library's interface: native/__init__.py's signature table (_SIGNATURES)
+   describes version _ABI_VERSION and refuses a library of another one. Bump both together. */
+int te_serial_abi_version(void) { return 1; }
+
 /* Transparent huge pages asked for over the whole 2 MB pages of [p, p + n): an output about to be
  * written in full then faults in once per 2 MB rather than once per 4 KB page (about 1 us each on a
  * VM). A hint: returns madvise's result, or 0 where there is nothing to ask. */

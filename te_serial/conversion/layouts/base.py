@@ -193,7 +193,7 @@ def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch
     shape = tuple(t.logical_shape)
     lay = q.usage_layout(ROW)
     grid = q.block_scales(b, shape, ROW)                       # [M, K/B] scale bytes
-    counts = torch.bincount(grid.reshape(-1).view(torch.uint8).long(), minlength=256)  # uint8: ~100x slower
+    counts = torch.bincount(grid.reshape(-1).view(torch.uint8).int(), minlength=256)  # uint8 input: ~100x slower
     block = lay.grid[1]
     # te-serial's value of every (scale byte, code): a [256, width] tensor of q's own format,
     # row s holding every code under block scale byte s, with t's tensor amax
