@@ -43,8 +43,9 @@ EXACT = {
     "deepseek_fp8": {"fp8_block", "fp8_block_1d", *_BLOCK_OUT},
     "ct_fp8_channel": {"compressed_tensors_fp8", "fp8_block_1d"},
     "nvfp4": {"nvfp4", *_NVFP4_OUT}, "nvfp4_2d": {"nvfp4_2d", "nvfp4", *_NVFP4_OUT},
-    # another amax layout / divisor (6 * 256): exact only into themselves; serving layouts refuse them
-    "nvfp4_4over6": {"nvfp4_4over6"}, "nvfp4_row_scaled": {"nvfp4_row_scaled"},
+    # another divisor (6 * 256): exact into itself and into the serving layouts, which state it as
+    # it is (amax / 1536, as ModelOpt writes 4over6); a per-row amax only into itself
+    "nvfp4_4over6": {"nvfp4_4over6", *_NVFP4_OUT}, "nvfp4_row_scaled": {"nvfp4_row_scaled"},
 }
 #: (max |err| / amax, rel RMSE) bounds of one rounding into each target format
 BOUNDS = {"e4m3": (1 / 16, 0.05), "e5m2": (1 / 8, 0.1), "nvfp4": (0.25, 0.2), "fp16": (1e-3, 1e-3),

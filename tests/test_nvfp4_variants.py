@@ -327,14 +327,19 @@ def test_exact_paths_never_cross_the_amax_or_divisor():
 
 @pytest.mark.parametrize("layout", [ModelOpt(), CompressedTensors()], ids=["modelopt", "compressed_tensors"])
 def test_serving_layouts_refuse_a_global_scale_they_cannot_state(layout):
+    """A per-row amax has no global scale; 4over6's E4M3 bound of 256 is stated as it is, amax /
+    (6 · 256), as ModelOpt writes 4over6 weights."""
     x = make_input("random", (32, 64), torch.bfloat16)
-    for q, what in ((ts.NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False), "nvfp4_row_scaled"),
-                    (ts.NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256, columnwise=False),
-                     "nvfp4_4over6_e4m3max256")):
-        with pytest.raises(tse.ConversionError, match=f"{what}.*'layers.0.w.weight'"):
-            layout.export("layers.0.w.weight", q(x), "nvfp4")
-    ok = ts.NVFP4Quantizer(nvfp4_use_4over6=True, columnwise=False)(x)  # the 448 bound: plain NVFP4 bytes
-    assert len(layout.export("layers.0.w.weight", ok, "nvfp4")) == 3
+    row = ts.NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False)
+    with pytest.raises(tse.ConversionError, match="nvfp4_row_scaled.*'layers.0.w.weight'"):
+        layout.export("layers.0.w.weight", row(x), "nvfp4")
+    for e4m3_max in (448, 256):  # the 448 bound: plain NVFP4 bytes
+        t = ts.NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=e4m3_max, columnwise=False)(x)
+        out = layout.export("layers.0.w.weight", t, "nvfp4")
+        glob = next(v for k, v in out.items() if k.endswith(("weight_scale_2", "weight_global_scale")))
+        ws2 = t.buffers()["_amax_rowwise"].reshape(()) / torch.tensor(6.0 * e4m3_max)
+        want = ws2 if isinstance(layout, ModelOpt) else 1 / ws2
+        assert torch.equal(glob.reshape(()), want), e4m3_max
 
 
 def test_recipes():

@@ -368,8 +368,8 @@ def test_modelopt_refuses_what_it_does_not_read(tmp_path):
 def test_global_scale_formula_measured_per_variant(e4m3_max):
     """For NVFP4 variants whose global scale TE forms as amax / (6 · e4m3_max) (448; 256 in
     4over6), how far each layout's formula lands from TE's ``(s · amax) · fl(1 / D)``, over every
-    (block scale, code) and many amaxes. te-serial holds the 448 variant only (4over6 and
-    row-scaled NVFP4 are refused when read from TE); the 256 figure says what writing it would do."""
+    (block scale, code) and many amaxes: the 448 variant, and 4over6's 256 (exported as amax / 1536,
+    as ModelOpt writes it); row-scaled NVFP4 has no global scale and is refused."""
     d = torch.tensor(6.0 * e4m3_max)
     inv = torch.tensor(1.0) / d
     g = torch.Generator().manual_seed(0)

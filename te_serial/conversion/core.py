@@ -162,6 +162,8 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
         step = None
         for scheme in schemes or (None,):
             rep = LAYOUTS[family].representation(scheme) if scheme else None
+            if rep is not None and p is not None:
+                rep = p.serving_form(rep)
             step = plan_keep_external(family, p, st.dtype, dtype, scheme, st.uniform_rows, shape, rep, name)
             if step.out_q is not None:
                 return step, scheme
@@ -202,6 +204,8 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
     rep = LAYOUTS[family].representation(t.scheme)
+    if st.quantizer is not None:
+        rep = st.quantizer.serving_form(rep)  # e.g. 4over6's E4M3 bound, which the layouts state as it is
     try:
         rep.check_shape(shape)
     except ShapeError as e:

@@ -332,6 +332,13 @@ class Quantizer:
         itself, except for containers (a grouped tensor keeps its members, each in ``target``)."""
         return target
 
+    def serving_form(self, rep: "Quantizer") -> "Quantizer":
+        """``rep`` (a serving layout scheme's representation) in the form that holds this format's
+        bytes, where the layouts state this format's second level as it is (their global scale is
+        amax / divisor, any divisor): NVFP4 with another E4M3 bound (4over6's 256, as ModelOpt
+        writes it). ``rep`` itself otherwise."""
+        return rep
+
     def exact_output(self, target: "Quantizer") -> "Quantizer | None":
         """The quantizer of an exact (or partly exact) conversion from this format into ``target``'s
         format and usages, or None. The source's format declares its exact paths here."""

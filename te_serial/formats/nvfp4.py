@@ -259,6 +259,13 @@ class NVFP4Quantizer(Quantizer):
             # target's 4over6: the kept bytes mean the same values under the target's choices
             return dataclasses.replace(self, **kw, **rht, stochastic_rounding=target.stochastic_rounding)
 
+    def serving_form(self, rep):
+        if not isinstance(rep, NVFP4Quantizer) or self.row_scaled_nvfp4 or rep.row_scaled_nvfp4 \
+                or self.nvfp4_e4m3_max == rep.nvfp4_e4m3_max:
+            return rep
+        return dataclasses.replace(rep, nvfp4_e4m3_max=self.nvfp4_e4m3_max, nvfp4_use_4over6=self.nvfp4_use_4over6,
+                                   nvfp4_4over6_err_mode=self.nvfp4_4over6_err_mode)
+
     def derivable(self, out, usage):
         if usage == ROWWISE:
             return self.rowwise or self._usages_transposed()

@@ -5,7 +5,8 @@ Per quantized linear ``<m>`` (``hf_quant_config.json`` ``quant_algo``):
 
 * ``NVFP4`` / ``W4A16_NVFP4``: ``<m>.weight`` U8 ``[N, K/2]`` (E2M1, element 2i in the low
   nibble), ``<m>.weight_scale`` F8_E4M3 ``[N, K/16]`` (unpadded, unswizzled),
-  ``<m>.weight_scale_2`` F32 scalar = amax / (6 · 448); with NVFP4 activations
+  ``<m>.weight_scale_2`` F32 scalar = amax / (6 · 448) (6 · 256 for 4over6 weights, which ModelOpt
+  writes with the same ``quant_algo``); with NVFP4 activations
   ``<m>.input_scale`` F32 scalar = activation amax / (6 · 448). A reader's value is
   ``e2m1 · (float(weight_scale) · weight_scale_2)``.
 * ``MXFP8``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]`` (E8M0
@@ -59,17 +60,16 @@ def e4m3_values(scale_bytes: torch.Tensor) -> torch.Tensor:
 
 def require_nvfp4_global_scale(name: str, t, layout: str) -> None:
     """Refuse an NVFP4 weight whose global scale ``layout`` cannot state: the serving layouts hold
-    one per weight, meaning amax / (6 · 448); a per-row amax (row-scaled NVFP4) or another divisor
-    (4over6 with ``nvfp4_e4m3_max=256``) would be written wrong."""
+    one per weight, amax / divisor (6 · 448; 6 · 256 for 4over6, as ModelOpt writes it); a per-row
+    amax (row-scaled NVFP4) has no such value."""
     q = t.quantizer
     lay = q.usage_layout(ROW)
     amax = t.buffers().get(lay.amax) if lay.amax is not None else None
-    if lay.amax_rows or amax is None or amax.numel() != 1 or q.global_scale_divisor() != _E4M3_MAX * nx.FP4_MAX:
+    if lay.amax_rows or amax is None or amax.numel() != 1:
         raise ConversionError(
-            f"{layout} states one global scale per weight, amax / (6 · 448); te-serial's {q.layout_name()} "
-            f"weight (global scale amax / {q.global_scale_divisor():g}"
-            f"{', one amax per row' if lay.amax_rows else ''}) has no such value: requantize it to nvfp4 first",
-            tensor=name)
+            f"{layout} states one global scale per weight, amax / (6 · E4M3 bound); te-serial's {q.layout_name()} "
+            f"weight ({'one amax per row' if lay.amax_rows else 'no tensor amax'}) has no such value: requantize "
+            "it to nvfp4 first", tensor=name)
 
 
 class ModelOpt(ExternalLayout):
