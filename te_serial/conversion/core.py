@@ -32,7 +32,7 @@ from ..proto import TensorProto
 from .fused_scales import share_fused_amax
 from .layouts import FAMILIES as LAYOUTS
 from .layouts.base import codes_check, module_of, prefix
-from .layouts.common import SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
+from .layouts.common import KV_CACHE_SCALES, SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .pipeline import run_pipeline
 from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source
@@ -61,6 +61,7 @@ class ExportSpec:
     dropped: tuple[str, ...] = ()       # TE module-state tensors left out of the export
     fused: tuple[tuple[str, ...], ...] = ()   # weights an engine fuses (te_serial.fusion), which share scales
     fused_enforced: bool = True         # False (fused="off"): unequal shared scales are reported, not refused
+    kv_cache: bool = False              # FP8 KV-cache scales written (KV_CACHE_SCALES): the config states them
 
     @property
     def layout(self):
@@ -328,7 +329,8 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
         spec = ExportSpec(family, scheme_of, modes,
                           {module_of(n): acts[module_of(n)] for n in scheme_of if module_of(n) in acts},
                           "; ".join(notes), tuple(sorted(module_state)), tuple(groups),
-                          fused not in (None, "off"))
+                          fused not in (None, "off"),
+                          any(n.endswith(KV_CACHE_SCALES) and st.quantizer is None for n, st in source.tensors.items()))
     plans: list[TensorPlan] = []
     by_name: dict[str, TensorPlan] = {}
     for name, st, step in steps:
@@ -487,10 +489,10 @@ def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[Te
     base = base or {}
     ignored = _ignored_modules(plans, source)
     if spec.mixed:
-        base["quantization_config"] = spec.layout.mixed_config(spec.groups(), ignored)
+        base["quantization_config"] = spec.layout.mixed_config(spec.groups(), ignored, kv_cache=spec.kv_cache)
     else:
         [(scheme, mode, _)] = spec.groups()
-        base["quantization_config"] = spec.layout.quantization_config(scheme, mode, ignored)
+        base["quantization_config"] = spec.layout.quantization_config(scheme, mode, ignored, kv_cache=spec.kv_cache)
     return base
 
 
@@ -711,7 +713,7 @@ def _commit(out: "_Output", source: Source, spec: ExportSpec | None, family: str
     if spec is not None:
         qc = config["quantization_config"] if config is not None else {}
         ignored = qc.get("ignore", qc.get("exclude_modules", qc.get("ignored_layers", [])))
-        extra.update(spec.layout.extra_files(spec.groups(), ignored))
+        extra.update(spec.layout.extra_files(spec.groups(), ignored, kv_cache=spec.kv_cache))
         extra[SIDECAR_NAME] = write_sidecar(out.sidecar, spec.activation_amax)
     return out.commit(config, aux, extra)
 

@@ -430,8 +430,8 @@ class SafetensorsSource(Source):
             for k in keys:
                 if k in self.consumed:
                     continue
-                if family == "modelopt" and k.endswith((".k_scale", ".v_scale", ".input_scale")):
-                    self.drop(k, "ModelOpt activation/KV-cache scale, not a weight")
+                if family == "modelopt" and k.endswith(".input_scale"):  # KV-cache scales are kept
+                    self.drop(k, "ModelOpt activation scale, not a weight")
         for k in keys:
             if k in self.consumed or k in self.tensors:
                 continue

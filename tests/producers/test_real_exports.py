@@ -107,21 +107,14 @@ KNOWN: dict[tuple[str, str], list[str]] = {
     ("modelopt_fp8_pb_wo", "tensors"): [
         f"{_G}self_attn.k_proj.weight_scale: shape real () vs te-serial (1, 1, 1, 1)",
         f"{_G}self_attn.v_proj.weight_scale: shape real () vs te-serial (1, 1, 1, 1)"],
-    # ModelOpt FP8 KV cache: the import drops k_scale / v_scale, so the re-export has no KV-cache
-    # quantization (neither the scales nor kv_cache_scheme / kv_cache_quant_algo)
-    ("modelopt_nvfp4_fp8kv", "tensors"): [
-        f"missing in te-serial's re-export: ['{_G}self_attn.k_proj.k_scale', '{_G}self_attn.v_proj.v_scale']"],
-    ("modelopt_nvfp4_fp8kv", "config"): [
-        "config.json quantization_config.kv_cache_scheme: real {'dynamic': False, 'num_bits': 8, 'type': 'float'} "
-        "vs te-serial None",
-        "hf_quant_config.json quantization.kv_cache_quant_algo: real 'FP8' vs te-serial None"],
 }
 
 #: the modules serving engines fuse into one GEMM (one tensor scale per group), in a Llama layer
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 #: tensors that are a quantized weight's scales or an activation / KV-cache scale, not a weight
+#: a quantized weight's scales and activation scales (KV-cache scales are kept, as plain tensors)
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".weight_global_scale", ".input_scale",
-                  ".input_global_scale", ".k_scale", ".v_scale")
+                  ".input_global_scale")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -302,8 +295,8 @@ def test_import(runs, kind):
         assert report[name].label in ("lossless", EXACT_CODES), (name, report[name].label, report[name].note)
         if report[name].label == EXACT_CODES:
             assert k.fmt == "nvfp4", name   # only a two-level format's global scale is applied differently
-    for t in report.dropped:   # only activation / KV-cache scales are left out of the checkpoint
-        assert t.name.endswith((".input_scale", ".input_global_scale", ".k_scale", ".v_scale")), t.name
+    for t in report.dropped:   # only activation scales are left out of the checkpoint (KV-cache ones are kept)
+        assert t.name.endswith((".input_scale", ".input_global_scale")), t.name
 
 
 @pytest.mark.parametrize("kind", KIND_PARAMS)
@@ -319,7 +312,7 @@ def test_import_values(runs, kind):
     assert sorted(held) == sorted(qweights + plain)
     for name in plain:
         assert type(held[name]) is torch.Tensor and held[name].dtype == f[name].dtype, name
-        assert torch.equal(held[name].view(torch.uint8), f[name].view(torch.uint8)), name
+        assert torch.equal(held[name].reshape(-1).view(torch.uint8), f[name].reshape(-1).view(torch.uint8)), name
     for name in qweights:
         t = held[name]
         assert type(t) is not torch.Tensor, f"{name}: held unquantized"

@@ -25,6 +25,11 @@ if TYPE_CHECKING:  # pragma: no cover
 ACTIVATION_MODES = ("auto", "weight_only", "dynamic", "static")
 _MODE_ALIASES = {"none": "weight_only", "weight-only": "weight_only", "w16": "weight_only", "a16": "weight_only"}
 
+#: FP8 KV-cache scales (ModelOpt ``<attn>.k_proj.k_scale`` / ``v_proj.v_scale``, compressed-tensors
+#: ``<attn>.k_scale`` / ``v_scale``): plain fp32 tensors that imports keep and exports write back,
+#: with the config's KV-cache scheme (engines quantize the KV cache with them)
+KV_CACHE_SCALES = (".k_scale", ".v_scale")
+
 #: written next to an export: what te-serial knows beyond the layout (each tensor's quantizer and
 #: tensor amax), so importing the export gives back the source's bytes. Engines ignore it.
 SIDECAR_NAME = "te_serial_export.json"
@@ -156,15 +161,17 @@ class ExternalLayout:
         this weight's exported tensors (see :func:`~.base.codes_check`); None otherwise."""
         return None
 
-    def quantization_config(self, scheme: str, mode: str, ignored: list[str]) -> dict:
+    def quantization_config(self, scheme: str, mode: str, ignored: list[str], *, kv_cache: bool = False) -> dict:
         raise NotImplementedError
 
-    def mixed_config(self, groups: list[tuple[str, str, list[str]]], ignored: list[str]) -> dict:
+    def mixed_config(self, groups: list[tuple[str, str, list[str]]], ignored: list[str], *,
+                     kv_cache: bool = False) -> dict:
         """``quantization_config`` of an export holding several weight schemes: ``groups`` is
         (weight scheme, activation mode, the modules written in it) for each."""
         raise NotImplementedError
 
-    def extra_files(self, groups: list[tuple[str, str, list[str]]], ignored: list[str]) -> dict[str, Any]:
+    def extra_files(self, groups: list[tuple[str, str, list[str]]], ignored: list[str], *,
+                    kv_cache: bool = False) -> dict[str, Any]:
         return {}
 
     # --- import ----------------------------------------------------------------------------------

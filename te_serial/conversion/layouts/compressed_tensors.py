@@ -42,8 +42,8 @@ _FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "fp8_cha
            "fp8_tensor": "float-quantized", "fp8_block": "float-quantized"}
 _BLOCK = [128, 128]
 _NVFP4_ACT = 448.0 * 6.0   # NVFP4 activations: global scale = this / amax
-_ACT_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
-                 ".v_scale", ".q_scale", ".input_global_scale")
+_ACT_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".q_scale",
+                 ".input_global_scale")  # KV-cache scales (KV_CACHE_SCALES) are kept
 
 
 def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=None, observer="minmax",
@@ -156,19 +156,21 @@ class CompressedTensors(ExternalLayout):
         return lambda codes, scales: (table[codes.long()] * (e4m3_values(scales) / gs),
                                       table[codes.long()] * (e4m3_values(scales) * (1 / gs)))
 
-    def quantization_config(self, scheme, mode, ignored):
+    def quantization_config(self, scheme, mode, ignored, *, kv_cache=False):
         group = self._group(scheme, mode, ["Linear"])
-        return self._config({"group_0": group}, group["format"], ignored)
+        return self._config({"group_0": group}, group["format"], ignored, kv_cache)
 
-    def mixed_config(self, groups, ignored):
+    def mixed_config(self, groups, ignored, *, kv_cache=False):
         """One config group per weight scheme, targeting its modules by name; the top-level format
         ``mixed-precision`` says each group carries its own (compressed-tensors' own rule)."""
         return self._config({f"group_{i}": self._group(s, m, mods) for i, (s, m, mods) in enumerate(groups)},
-                            "mixed-precision", ignored)
+                            "mixed-precision", ignored, kv_cache)
 
     @staticmethod
-    def _config(groups, fmt, ignored):
-        return {"config_groups": groups, "format": fmt, "ignore": list(ignored), "kv_cache_scheme": None,
+    def _config(groups, fmt, ignored, kv_cache=False):
+        kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False} \
+            if kv_cache else None  # static per-tensor FP8 KV cache (k_scale / v_scale)
+        return {"config_groups": groups, "format": fmt, "ignore": list(ignored), "kv_cache_scheme": kv,
                 "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
     def _group(self, scheme, mode, targets):

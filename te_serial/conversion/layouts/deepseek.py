@@ -33,7 +33,7 @@ class DeepSeek(ExternalLayout):
         parts = split(t, scheme)
         return {name: parts.data, name + "_scale_inv": parts.scale}
 
-    def quantization_config(self, scheme, mode, ignored):
+    def quantization_config(self, scheme, mode, ignored, *, kv_cache=False):
         qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
         if ignored:
             qc["ignored_layers"] = list(ignored)

@@ -139,7 +139,7 @@ class ModelOpt(ExternalLayout):
             q["group_size"] = _GROUP[scheme]
         return q
 
-    def _body(self, groups, ignored):
+    def _body(self, groups, ignored, kv_cache=False):
         """One scheme: its ``quant_algo``; several: ``MIXED_PRECISION`` with each layer's own
         (``quantized_layers``, as ModelOpt's per-layer export writes it)."""
         if len(groups) == 1:
@@ -148,15 +148,15 @@ class ModelOpt(ExternalLayout):
         else:
             body = {"quant_algo": "MIXED_PRECISION",
                     "quantized_layers": {m: self._algo(s, mode) for s, mode, mods in groups for m in mods}}
-        return {**body, "kv_cache_quant_algo": None, "exclude_modules": list(ignored)}
+        return {**body, "kv_cache_quant_algo": "FP8" if kv_cache else None, "exclude_modules": list(ignored)}
 
-    def quantization_config(self, scheme, mode, ignored):
-        return self.mixed_config([(scheme, mode, [])], ignored)
+    def quantization_config(self, scheme, mode, ignored, *, kv_cache=False):
+        return self.mixed_config([(scheme, mode, [])], ignored, kv_cache=kv_cache)
 
-    def mixed_config(self, groups, ignored):
+    def mixed_config(self, groups, ignored, *, kv_cache=False):
         """``config.json``'s flat form of :meth:`_body`, as ModelOpt converts it: compressed-tensors
         style ``config_groups`` where ModelOpt writes them, ``ignore`` for the excluded modules."""
-        body = self._body(groups, ignored)
+        body = self._body(groups, ignored, kv_cache)
         out: dict = {}
         if body["quant_algo"] == "MIXED_PRECISION":
             by_algo: dict[tuple, list[str]] = {}
@@ -170,12 +170,14 @@ class ModelOpt(ExternalLayout):
             args = _group_args(body["quant_algo"], body.get("group_size"), False)
             if args is not None:
                 out["config_groups"] = {"group_0": {**args, "targets": ["Linear"]}}
+        if kv_cache:  # as ModelOpt's flat form states an FP8 KV cache
+            out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         return {**out, "ignore": body["exclude_modules"], "quant_algo": body["quant_algo"],
                 "producer": {"name": "te-serial", "version": __version__}, "quant_method": "modelopt"}
 
-    def extra_files(self, groups, ignored):
+    def extra_files(self, groups, ignored, *, kv_cache=False):
         return {HF_QUANT_CONFIG: {"producer": {"name": "te-serial", "version": __version__},
-                                  "quantization": self._body(groups, ignored)}}
+                                  "quantization": self._body(groups, ignored, kv_cache)}}
 
     # --- import -------------------------------------------------------------------------------------
     def claim(self, src: "SafetensorsSource") -> None:
