@@ -4,10 +4,11 @@ A serving engine fuses q/k/v (gate/up, …: :mod:`te_serial.fusion`) into one GE
 tensor-wide scale. So the members of a group that are quantized with a tensor-wide scale
 (per-tensor FP8 current scaling, NVFP4's global scale: ``Quantizer.takes_tensor_amax``) take the
 group's largest amax. Members quantized from high-precision values simply get it. Members copied
-exactly from a quantized source keep their bytes where their recorded amax already is the
-group's; into a serving layout (``reexpress``) the others are requantized from their values
-with the shared amax: lossy unless the values come out bit-identical, and the report says so per
-tensor.
+exactly from a quantized source keep their bytes where their scale already is the group's (a
+recorded amax that is the largest; per-tensor FP8, which records none: the largest scale, the
+group's amax then being one that gives it); into a serving layout (``reexpress``) the others are
+requantized from their values with the shared amax: lossy unless the values come out
+bit-identical, and the report says so per tensor.
 """
 
 from __future__ import annotations
