@@ -86,7 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     c = sub.add_parser("convert", help="convert a checkpoint to another recipe or layout",
-                       epilog=CONVERT_EPILOG.format(targets=_serving_targets()), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONVERT_EPILOG.format(targets=_serving_targets()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("src", help="source checkpoint (layout auto-detected)")
     c.add_argument("dst", help="destination directory (or a .safetensors file for te-serial / plain targets)")
     c.add_argument("--recipe", metavar="R", help=f"target of the default rule: {_targets_help()}")

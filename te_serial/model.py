@@ -36,7 +36,8 @@ from torch import nn
 from .errors import CheckpointError, ConversionError, ShapeError, TeSerialError, UnsupportedOperationError
 from . import fusion
 from . import numerics as nx
-from .formats.base import NOMINAL_DTYPES, QuantizedTensorStorage, Quantizer
+from .formats.tensors import NOMINAL_DTYPES, QuantizedTensorStorage
+from .formats.base import Quantizer
 from .precision import stays_high_precision
 from .proto import TensorProto, to_tensor_proto
 from .recipes import recipe_quantizer

@@ -15,7 +15,9 @@ import torch
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import FormatError
-from .formats.base import BufferSpec, QuantizedTensorStorage, Quantizer, StorageMeta
+from .formats.protocol import BufferSpec, StorageMeta
+from .formats.tensors import QuantizedTensorStorage
+from .formats.base import Quantizer
 from .te.interop import from_te, is_te_tensor
 
 

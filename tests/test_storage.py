@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import te_serial as ts
 from te_serial import errors as tse
 from te_serial import formats as tsf
-from te_serial.formats import base
 from helpers import same_bits
 
 QUANTIZERS = [
@@ -68,7 +67,7 @@ def test_registry_is_filled_by_subclassing_and_refuses_unknown_names():
     names, meta = t.__tensor_flatten__()
     for bad in ("os.system", "builtins.eval", "Tensor", None):
         with pytest.raises(tse.UnknownStorageError):
-            base.QuantizedTensorStorage.__tensor_unflatten__(
+            tsf.QuantizedTensorStorage.__tensor_unflatten__(
                 {n: getattr(t, n) for n in names}, meta._replace(storage=bad), t.shape, None)
 
 

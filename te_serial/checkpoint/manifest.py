@@ -30,7 +30,8 @@ import xxhash
 
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ManifestError, TeSerialError, VersionError
-from ..formats.base import QUANTIZER_REGISTRY, STORAGE_REGISTRY, Quantizer, resolve_storage
+from ..formats.protocol import QUANTIZER_REGISTRY, STORAGE_REGISTRY, resolve_storage
+from ..formats.base import Quantizer
 from ..formats.slicing import region_views
 from ..proto import TensorProto
 from . import tree as tree_mod

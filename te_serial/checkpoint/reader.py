@@ -22,7 +22,8 @@ import torch
 from ..dtypes import safetensors_code
 from ..errors import ChecksumError, CheckpointError, CheckpointFileError, ManifestError, TensorMismatchError
 from ..errors import ShapeError
-from ..formats.base import QuantizedTensorStorage, flatten_2d
+from ..formats.tensors import QuantizedTensorStorage
+from ..formats.protocol import flatten_2d
 from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import SafetensorsFile, checksum, open_regular

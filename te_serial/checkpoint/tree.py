@@ -37,7 +37,7 @@ import msgpack
 import torch
 
 from ..errors import CheckpointError, ManifestError, UnsupportedValueError
-from ..formats.base import QuantizedTensorStorage
+from ..formats.tensors import QuantizedTensorStorage
 from ..te.extra_state import ExtraStateBudget  # noqa: F401  (re-exported for the reader)
 
 TENSOR_EXT, TUPLE_EXT, TE_EXTRA_STATE_EXT = 1, 2, 3

@@ -26,7 +26,7 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointError, UnsupportedValueError
-from ..formats.base import QuantizedTensorStorage
+from ..formats.tensors import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
 from ..te.interop import from_te, is_te_tensor
 from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path

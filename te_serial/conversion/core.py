@@ -26,7 +26,7 @@ from ..checkpoint.files import ShardSet, atomic_write, fsync_path
 from ..checkpoint.writer import CheckpointWriter, parse_size
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
-from ..formats.base import QuantizedTensorStorage
+from ..formats.tensors import QuantizedTensorStorage
 from ..fusion import architecture_of, fused_groups, groups_for
 from ..proto import TensorProto
 from .fused_scales import share_fused_amax

@@ -19,7 +19,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import numerics as nx
-from ..formats.base import ROWWISE, QuantizedTensorStorage, Quantizer
+from ..formats.protocol import ROWWISE
+from ..formats.tensors import QuantizedTensorStorage
+from ..formats.base import Quantizer
 from ..fusion import fused_groups
 from .layouts.base import solve_amax
 from .transforms import Step, values

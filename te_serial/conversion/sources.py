@@ -48,7 +48,7 @@ from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.writer import SHARD_NAME
 from ..formats import STORAGE_REGISTRY
-from ..formats.base import QuantizedTensorStorage
+from ..formats.tensors import QuantizedTensorStorage
 from .layouts import FAMILIES as LAYOUT_FAMILIES
 from .layouts.common import SIDECAR_NAME, read_sidecar
 from .layouts.compressed_tensors import ct_schemes

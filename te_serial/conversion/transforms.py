@@ -22,7 +22,8 @@ import torch
 from .. import numerics as nx
 from ..errors import ConversionError, ShapeError
 from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer, fused
-from ..formats.base import COLUMNWISE, ROWWISE, QuantizedTensorStorage, flatten_2d
+from ..formats.protocol import COLUMNWISE, ROWWISE, flatten_2d
+from ..formats.tensors import QuantizedTensorStorage
 from ..formats.slicing import slice_quantized
 from ..proto import TensorProto
 

@@ -14,7 +14,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..checkpoint.tree import TEExtraState, TensorRef
 from ..errors import CheckpointError, ShapeError, UnsupportedValueError
-from ..formats.base import QuantizedTensorStorage, flatten_2d
+from ..formats.tensors import QuantizedTensorStorage
+from ..formats.protocol import flatten_2d
 from ..formats.slicing import box_to_range, buffer_regions, region_views, storage_view
 from ..proto import TensorProto
 

@@ -1,8 +1,10 @@
-"""TE's quantized formats in pure PyTorch: one module per format, shared machinery in ``base``."""
+"""TE's quantized formats in pure PyTorch: one module per format, the shared machinery in protocol,
+layout_rules, engine, tensors and base."""
 
-from .base import (COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, STORAGE_REGISTRY, BufferSpec,
-                   QuantizedTensor, QuantizedTensorStorage, Quantizer, StorageMeta, UsageLayout,
-                   resolve_quantizer, resolve_storage)
+from .protocol import (COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, STORAGE_REGISTRY, BufferSpec, StorageMeta,
+                       UsageLayout, resolve_quantizer, resolve_storage)
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
 from .blockwise import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
 from .grouped import GroupedQuantizer, GroupedTensor, GroupedTensorStorage

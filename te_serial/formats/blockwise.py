@@ -17,8 +17,11 @@ import torch
 from .. import numerics as nx
 from ..errors import FormatError
 from ..native import transpose_bytes
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, blocks_amax, flatten_2d, fp8_short_name, require_fp8_dtype, spread_scales)
+from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
+from .engine import blocks_amax
+from .layout_rules import spread_scales
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
 BLOCK = 128

@@ -15,8 +15,9 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, fp8_short_name, require_fp8_dtype)
+from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, fp8_short_name, require_fp8_dtype
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
 from .blockwise import Float8BlockQuantizer
 from .te_adapter import (TE_FP8_CODE, TEAdapter, TEContext, quantizer_from_te_fields, register_te_adapter,
                          te_fp8_dtype, te_value_fields)

@@ -1,6 +1,6 @@
 """Compiled quantize and dequantize: each format's own numerics, fused by ``torch.compile``.
 
-There is no second copy of any format's math here. ``base.Quantizer`` hands this module the same
+There is no second copy of any format's math here. ``engine.QuantizeEngine`` hands this module the same
 pure functions its eager path runs (``_prepare`` + ``_quantize_rows`` over the whole tensor,
 ``_dequantize``); inductor fuses their dozen elementwise passes and reductions into a few loops
 (vectorized C++ on CPU, Triton on CUDA). ``conversion.transforms`` runs its error sums (one pass

@@ -42,7 +42,9 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import FormatError, ShapeError, UnsupportedOperationError
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer)
+from .protocol import COLUMNWISE, ROWWISE, BufferSpec
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
 from .te_adapter import TE_ADAPTERS, TEAdapter, register_te_adapter
 
 #: TE's grouped buffer attribute names, in flatten order

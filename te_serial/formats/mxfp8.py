@@ -15,9 +15,12 @@ from typing import ClassVar, Mapping
 import torch
 
 from .. import numerics as nx
-from .base import (COLUMNWISE, ROWWISE, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, blocks_amax, flatten_2d, fp8_short_name, require_divisible, require_fp8_dtype,
-                   spread_scales)
+from .protocol import (COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d, fp8_short_name, require_divisible,
+                       require_fp8_dtype)
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
+from .engine import blocks_amax
+from .layout_rules import spread_scales
 from .te_adapter import TE_FP8_CODE, TEAdapter, quantizer_from_te_fields, register_te_adapter, te_fp8_dtype
 
 BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE (pytorch/constants.py)

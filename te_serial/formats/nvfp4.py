@@ -30,8 +30,11 @@ from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
 from ..native import transpose_bytes
 from ..tracing import tracing
-from .base import (COLUMNWISE, ROWWISE, BlockAmax, BufferSpec, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                   UsageLayout, blocks_amax, flatten_2d, require_divisible, spread_scales)
+from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d, require_divisible
+from .engine import BlockAmax, blocks_amax
+from .tensors import QuantizedTensor, QuantizedTensorStorage
+from .base import Quantizer
+from .layout_rules import spread_scales
 from .te_adapter import TEAdapter, quantizer_from_te_fields, register_te_adapter
 
 BLOCK = 16        # NVFP4_BLOCK_SCALING_SIZE (pytorch/constants.py)

@@ -25,7 +25,9 @@ from typing import Mapping
 import torch
 
 from ..errors import FormatError, ShapeError
-from .base import QuantizedTensorStorage, Quantizer, flatten_2d
+from .tensors import QuantizedTensorStorage
+from .base import Quantizer
+from .protocol import flatten_2d
 
 Range = tuple[int, int] | slice | None
 #: a box in a region view: (offsets, sizes), one int per dim

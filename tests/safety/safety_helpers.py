@@ -27,7 +27,7 @@ import te_serial
 from te_serial.errors import CheckpointError
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
-from te_serial.formats.base import QuantizedTensorStorage
+from te_serial.formats.tensors import QuantizedTensorStorage
 
 try:  # format 1.1: a manifest ends with its own checksum
     from te_serial.checkpoint.manifest import MANIFEST_CHECKSUM

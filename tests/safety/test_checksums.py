@@ -7,7 +7,7 @@ import torch
 
 import te_serial
 from te_serial.errors import ChecksumError
-from te_serial.formats.base import QuantizedTensorStorage
+from te_serial.formats.tensors import QuantizedTensorStorage
 
 from .corpus import FLIPPED_BUFFERS, _flip_data_byte, alter_checksum
 from .safety_helpers import B, DIR_PEAK, PEAK_BUDGET, T, assert_same_state, expect_error

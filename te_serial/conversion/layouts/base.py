@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 from ...formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
-from ...formats.base import ROWWISE, QuantizedTensorStorage
+from ...formats.protocol import ROWWISE
+from ...formats.tensors import QuantizedTensorStorage
 
 ROW = ROWWISE
 E4M3 = torch.float8_e4m3fn

@@ -12,7 +12,8 @@ import torch
 
 from ...errors import ConversionError
 from ...formats import Quantizer
-from ...formats.base import QuantizedTensorStorage, spread_scales
+from ...formats.layout_rules import spread_scales
+from ...formats.tensors import QuantizedTensorStorage
 from .base import ROW, F32, assemble, representation, solve_amax
 
 if TYPE_CHECKING:  # pragma: no cover
