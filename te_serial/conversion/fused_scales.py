@@ -19,7 +19,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import numerics as nx
-from ..formats.protocol import ROWWISE
+from ..formats import fused
+from ..formats.protocol import ROWWISE, flatten_2d
 from ..formats.tensors import QuantizedTensorStorage
 from ..formats.base import Quantizer
 from ..fusion import fused_groups
@@ -39,6 +40,15 @@ def _tensor_scale(t: torch.Tensor) -> torch.Tensor | None:
     if q.scale_per_tensor and q.has_usage(ROWWISE):
         return q.block_scales(b, tuple(t.logical_shape), ROWWISE).reshape(()).float()
     return None
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """max|t| (NaN ignored) as a 0-d fp32 tensor: a plain tensor's in one pass over its own dtype
+    (the native maxima where they take it), a quantized one's over its values."""
+    if isinstance(t, QuantizedTensorStorage):
+        return nx.nan_ignoring_amax(values(t)).float()
+    got = fused.nan_free_amaxes(t.reshape(flatten_2d(tuple(t.shape)))) if t.numel() else None
+    return got[fused.TENSOR_AMAX].reshape(()).float() if got is not None else nx.nan_ignoring_amax(t).float()
 
 
 def _scale_for(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
@@ -75,7 +85,7 @@ def share_fused_amax(load: Callable[[str], torch.Tensor], steps: Mapping[str, St
                 if isinstance(src, QuantizedTensorStorage) and m in exact else None
             if own is not None:
                 recorded.add(m)
-            amax[m] = own if own is not None else nx.nan_ignoring_amax(values(src)).float()
+            amax[m] = own if own is not None else _amax(src)
             del src
         if exact == set(members) and all(scale[m] is not None for m in members) \
                 and len({int(scale[m].view(torch.int32)) for m in members}) == 1:
