@@ -13,7 +13,8 @@ import torch
 import te_serial as ts
 from te_serial import formats as tsf
 from helpers import FORMAT_CASES
-from te_serial.formats import COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, TE_ADAPTERS, UsageLayout
+from te_serial.formats import COLUMNWISE, QUANTIZER_REGISTRY, ROWWISE, UsageLayout
+from te_serial.formats.te_adapter import TE_ADAPTERS
 from te_serial.recipes import RECIPES, recipe_quantizer
 from test_slicing import CASES as SLICE_CASES
 from test_slicing import SLICE_RULES

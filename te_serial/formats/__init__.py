@@ -12,12 +12,11 @@ from .mxfp8 import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .nvfp4 import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .slicing import slice_quantized
 from .swizzle import swizzle_scales, unswizzle_scales
-from .te_adapter import TE_ADAPTERS, TEAdapter
 
 __all__ = [
     "QUANTIZER_REGISTRY", "STORAGE_REGISTRY", "BufferSpec", "QuantizedTensor",
     "QuantizedTensorStorage", "Quantizer", "StorageMeta", "resolve_quantizer", "resolve_storage",
-    "UsageLayout", "ROWWISE", "COLUMNWISE", "slice_quantized", "TE_ADAPTERS", "TEAdapter",
+    "UsageLayout", "ROWWISE", "COLUMNWISE", "slice_quantized",
     "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
     "Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "Float8TensorStorage",
     "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
