@@ -32,7 +32,7 @@ _BLOCK_OUT = {"deepseek_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8_bloc
 _PER_TENSOR_EXACT = {"fp8_current", "fp8_delayed", "fp8_block", "fp8_block_1d", "compressed_tensors_fp8",
                      "compressed_tensors_fp8_tensor", "modelopt_fp8", *_BLOCK_OUT}
 _NVFP4_OUT = {"modelopt_nvfp4", "compressed_tensors_nvfp4"}
-_MXFP8_OUT = {"modelopt_mxfp8", "compressed_tensors_mxfp8"}
+_MXFP8_OUT = {"modelopt_mxfp8", "compressed_tensors_mxfp8", "sglang_mxfp8"}
 #: source format → targets whose path is exact (written from the formats' definitions, not the code)
 EXACT = {
     "fp8_current": _PER_TENSOR_EXACT, "fp8_delayed": _PER_TENSOR_EXACT, "ct_fp8_tensor": _PER_TENSOR_EXACT,
@@ -139,6 +139,9 @@ def _read_output(dst: Path, family: str) -> tuple[dict[str, dict[str, torch.Tens
         if family == "deepseek_fp8" and k + "_scale_inv" in raw:
             s = raw[k + "_scale_inv"]
             vals[k], nbytes[k] = {"plain": deepseek_dequantize(t, s)}, size(t, s)
+        elif family == "sglang_mxfp8" and k + "_scale_inv" in raw:  # E8M0 bytes per 1x32, SGLang's naming
+            s = raw[k + "_scale_inv"]
+            vals[k], nbytes[k] = {"plain": mxfp8_dequantize(t, s)}, size(t, s)
         elif family.endswith("nvfp4") and p + "weight_scale" in raw:
             s = raw[p + "weight_scale"]
             g = raw[p + ("weight_scale_2" if family.startswith("modelopt") else "weight_global_scale")]

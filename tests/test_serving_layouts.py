@@ -28,12 +28,12 @@ tc = importlib.import_module("te_serial.conversion")
 
 SERVING = ["modelopt_nvfp4", "compressed_tensors_nvfp4", "modelopt_mxfp8", "compressed_tensors_mxfp8",
            "modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8", "compressed_tensors_fp8_tensor",
-           "deepseek_fp8"]
+           "deepseek_fp8", "sglang_mxfp8"]
 #: TE recipe → serving layouts whose path keeps its bytes (from the formats' definitions)
 EXACT = {"nvfp4": {"modelopt_nvfp4", "compressed_tensors_nvfp4"},
          "nvfp4_2d": {"modelopt_nvfp4", "compressed_tensors_nvfp4"},
-         "mxfp8": {"modelopt_mxfp8", "compressed_tensors_mxfp8"},
-         "mxfp8_2d": {"modelopt_mxfp8", "compressed_tensors_mxfp8"},
+         "mxfp8": {"modelopt_mxfp8", "compressed_tensors_mxfp8", "sglang_mxfp8"},
+         "mxfp8_2d": {"modelopt_mxfp8", "compressed_tensors_mxfp8", "sglang_mxfp8"},
          "fp8_current": {"modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8", "compressed_tensors_fp8_tensor",
                          "deepseek_fp8"},
          "fp8_delayed": {"modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8",
@@ -105,7 +105,9 @@ def test_te_formats_into_serving_layouts_and_back(recipe, tmp_path):
                     assert int(d.max()) == 0
             elif "mxfp8" in layout:
                 assert torch.equal(raw[name].view(torch.uint8), b["_rowwise_data"])
-                assert torch.equal(mxfp8_dequantize(raw[name], raw[p + "weight_scale"]), tc.values(t))
+                scale = raw[name + "_scale_inv"] if layout == "sglang_mxfp8" else raw[p + "weight_scale"]
+                assert scale.dtype == torch.uint8
+                assert torch.equal(mxfp8_dequantize(raw[name], scale), tc.values(t))
         back = tc.convert(out, tmp_path / f"{layout}-back")
         assert back.source_layout.startswith(layout.split("_fp8")[0].split("_nvfp4")[0].split("_mxfp8")[0])
         again = ts.load_quantized(tmp_path / f"{layout}-back")

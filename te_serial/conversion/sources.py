@@ -57,9 +57,10 @@ from .targets import describe_dtype, describe_quantizer, usage_label
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-LAYOUTS = ("te-serial", "safetensors", "deepseek_fp8", "compressed_tensors_fp8", "compressed_tensors_nvfp4",
-           "compressed_tensors_mxfp8", "compressed_tensors", "modelopt_nvfp4", "modelopt_mxfp8", "modelopt_fp8",
-           "modelopt_fp8_pb_wo", "modelopt")
+#: every layout name ``detect_layout`` gives: te-serial, plain safetensors, and each serving layout's
+#: (one per weight scheme it offers, and its name for a checkpoint mixing them)
+LAYOUTS = ("te-serial", "safetensors", *dict.fromkeys(
+    n for lay in LAYOUT_FAMILIES.values() for n in (*map(lay.layout_name, lay.offers), lay.mixed_name) if n))
 #: te-serial checkpoint metadata key holding the activation amax of each layer (JSON), kept so a
 #: later export can still write static activation scales
 ACT_AMAX_KEY = "te_serial.activation_amax"
@@ -377,12 +378,16 @@ class SafetensorsSource(Source):
                 else None
             self.modelopt_layers = layers if isinstance(layers, dict) else None
             return "modelopt"
-        if method == "fp8":
+        if method in ("fp8", "mxfp8"):
             block = qc.get("weight_block_size")
-            if block is None or list(block) != [128, 128] or qc.get("fmt", "e4m3") != "e4m3":
+            want = [1, 32] if method == "mxfp8" else [128, 128]
+            if block is None and method == "mxfp8":
+                block = want   # SGLang fixes MXFP8's block; the field is metadata there
+            if block is None or list(block) != want or qc.get("fmt", "e4m3") != "e4m3":
                 raise UnknownLayoutError(
-                    f"quantization_config quant_method 'fp8' with fmt={qc.get('fmt')!r}, weight_block_size="
-                    f"{block!r}: te-serial reads block FP8 only as DeepSeek-V3 writes it (e4m3, [128, 128])",
+                    f"quantization_config quant_method {method!r} with fmt={qc.get('fmt')!r}, weight_block_size="
+                    f"{block!r}: te-serial reads block FP8 as DeepSeek-V3 writes it ('fp8': e4m3, [128, 128]) and "
+                    "MXFP8 as SGLang does ('mxfp8': e4m3, [1, 32])",
                     file=self.config_file, field="quantization_config")
             self.ue8m0 = qc.get("scale_fmt") == "ue8m0"
             return "deepseek"
@@ -447,10 +452,8 @@ class SafetensorsSource(Source):
         quantized = {st.keys["scheme"] for st in self.tensors.values() if st.quantizer is not None}
         if layout is None or not quantized:
             return "safetensors"
-        if family == "deepseek":
-            return "deepseek_fp8"
         names = {layout.layout_name(s) for s in quantized}
-        return names.pop() if len(names) == 1 else {"ct": "compressed_tensors", "modelopt": "modelopt"}[family]
+        return names.pop() if len(names) == 1 else layout.mixed_name
 
     # -- loading -------------------------------------------------------------------------------
     def read(self, key: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ KEEP = "keep"
 
 #: families: "te" (te-serial checkpoint), "plain" (HF safetensors), and the serving layouts
 #: "modelopt", "ct" (compressed-tensors), "deepseek"
-FAMILY_LAYOUT = {"te": "te-serial", "plain": "safetensors", "deepseek": "deepseek_fp8",
+FAMILY_LAYOUT = {"te": "te-serial", "plain": "safetensors", "deepseek": "block FP8 (weight_scale_inv)",
                  "ct": "compressed-tensors", "modelopt": "ModelOpt"}
 
 

@@ -21,11 +21,12 @@ import torch
 
 from .. import numerics as nx
 from ..errors import ConversionError, ShapeError
-from ..formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer, fused
+from ..formats import Float8BlockQuantizer, Quantizer, fused
 from ..formats.protocol import COLUMNWISE, ROWWISE, flatten_2d
 from ..formats.tensors import QuantizedTensorStorage
 from ..formats.slicing import slice_quantized
 from ..proto import TensorProto
+from .layouts.base import representation
 
 ROW, COL = ROWWISE, COLUMNWISE
 E4M3 = torch.float8_e4m3fn
@@ -35,19 +36,6 @@ _SETTLED = "scale and amax set from this tensor's values"
 
 def enabled(q: Quantizer) -> list[str]:
     return list(q.usages_on())
-
-
-def deepseek_quantizer(pow2: bool = False) -> Float8BlockQuantizer:
-    """The representation of a DeepSeek-V3 weight: rowwise E4M3 with one fp32 scale per 128×128 tile."""
-    return Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=2, force_pow_2_scales=pow2)
-
-
-def ct_quantizer(strategy: str, pow2: bool = False) -> Quantizer:
-    """The representation of a compressed-tensors FP8 weight: per-tensor FP8, or (per channel) a
-    rowwise 1×128 blockwise tensor whose blocks in each row share one scale."""
-    if strategy == "tensor":
-        return Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False)
-    return Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=1, force_pow_2_scales=pow2)
 
 
 # --- values ------------------------------------------------------------------------------------
@@ -347,16 +335,12 @@ def plan_plain(p: Quantizer | None, src_dtype: torch.dtype, d: torch.dtype) -> S
     return Step("dequantize", None, d, builder="cast")
 
 
-def plan_deepseek(p: Quantizer | None, dtype: torch.dtype, src_dtype: torch.dtype) -> Step:
-    step = _exact_into(p, deepseek_quantizer(), src_dtype)
-    if step is not None:
-        return step
-    return Step("quantize" if p is None else "requantize", deepseek_quantizer(False), dtype, builder="quantize")
+_CT_SCHEME = {"tensor": "fp8_tensor", "channel": "fp8_channel"}  # a compressed-tensors FP8 strategy's scheme
 
 
 def plan_ct(p: Quantizer | None, strategy: str, dtype: torch.dtype, src_dtype: torch.dtype,
             uniform_rows: bool) -> Step:
-    rep = ct_quantizer(strategy)
+    rep = representation(_CT_SCHEME[strategy])
     step = _exact_into(p, rep, src_dtype)
     if step is not None:
         if strategy == "tensor" or p.scale_per_tensor:  # one scale: every row's blocks share it
@@ -365,8 +349,8 @@ def plan_ct(p: Quantizer | None, strategy: str, dtype: torch.dtype, src_dtype: t
             return step if uniform_rows else dataclasses.replace(step, builder="channel_or_requant")
     method = "quantize" if p is None else "requantize"
     if strategy == "tensor":
-        return Step(method, ct_quantizer("tensor"), dtype, builder="quantize")
-    return Step(method, ct_quantizer("channel"), dtype, builder="per_channel")
+        return Step(method, representation("fp8_tensor"), dtype, builder="quantize")
+    return Step(method, representation("fp8_channel"), dtype, builder="per_channel")
 
 
 def plan_external(p: Quantizer | None, scheme: str, rep: Quantizer, dtype: torch.dtype, src_dtype: torch.dtype,
@@ -453,7 +437,7 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
             step = dataclasses.replace(step, builder="exact")
         else:
             step = dataclasses.replace(step, method="requantize", exact=False, builder="per_channel",
-                                       out_q=ct_quantizer("channel"),
+                                       out_q=representation("fp8_channel"),
                                        note="row blocks have different scales: requantized per channel")
             q = step.out_q
     if step.builder == "per_channel":

@@ -356,3 +356,20 @@ def sglang_is_quantized(quant_config, layer_prefix: str, is_linear: bool = True,
     if method is None:
         raise AssertionError(f"SGLang returned no quant method for linear layer {layer_prefix!r}")
     return not isinstance(method, (sg.UnquantizedLinearMethod, sg.UnquantizedEmbeddingMethod))
+
+
+def sglang_load_linear(quant_config, layer_prefix: str, tensors: dict, capability=(10, 0)):
+    """A SGLang linear layer (``LinearBase``, 256×256) holding ``tensors`` (its parameter name →
+    the export's tensor) as SGLang loads them: the quant method's ``create_weights`` makes the
+    parameters, each parameter's own loader (``load_column_parallel_weight``, one rank) copies the
+    export's tensor in, then the method's ``process_weights_after_loading`` runs."""
+    method, layer = _quant_method_and_layer(quant_config, layer_prefix, True, capability)
+    n, k = layer.output_size, layer.input_size
+    with _sglang_env(), _device_capability(capability):
+        method.create_weights(layer, input_size_per_partition=k, output_partition_sizes=[n], input_size=k,
+                              output_size=n, params_dtype=torch.bfloat16, weight_loader=None)
+        params = dict(layer.named_parameters())
+        for name, t in tensors.items():
+            params[name].load_column_parallel_weight(t, tp_rank=0)
+        method.process_weights_after_loading(layer)
+    return layer

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from sglang_harness import (  # noqa: E402
     sglang_is_quantized,
+    sglang_load_linear,
     sglang_layer_scheme,
     sglang_model_config,
     sglang_quant_config,
@@ -66,6 +67,7 @@ SUPPORTED = {
     "modelopt_fp8": ("modelopt_fp8", "ModelOptFp8Config", "ModelOptFp8LinearMethod"),
     "modelopt_nvfp4": ("modelopt_fp4", "ModelOptFp4Config", "ModelOptNvFp4A16LinearMethod"),
     "modelopt_mxfp8": ("mxfp8", "Fp8Config", "Fp8LinearMethod"),
+    "sglang_mxfp8": ("mxfp8", "Fp8Config", "Fp8LinearMethod"),
     "compressed_tensors_fp8": ("compressed-tensors", "CompressedTensorsConfig", "CompressedTensorsLinearMethod"),
     "compressed_tensors_fp8_tensor": ("compressed-tensors", "CompressedTensorsConfig", "CompressedTensorsLinearMethod"),
     "compressed_tensors_fp8_block": ("compressed-tensors", "CompressedTensorsConfig", "CompressedTensorsLinearMethod"),
@@ -152,9 +154,10 @@ def test_sglang_reads_export(tmp_path, layout):
         assert qc.is_checkpoint_fp8_serialized and qc.kv_cache_quant_algo is None
     if layout == "modelopt_nvfp4":
         assert qc.is_checkpoint_nvfp4_serialized and qc.is_w4a16 and qc.group_size == 16
-    if layout == "modelopt_mxfp8":
+    if layout in ("modelopt_mxfp8", "sglang_mxfp8"):
         assert qc.use_mxfp8 and qc.is_checkpoint_fp8_serialized
         assert qc.weight_block_size == [1, 32] and qc.activation_scheme == "dynamic"
+        assert qc.scale_fmt == "ue8m0"  # SGLang sets it for ModelOpt MXFP8 too
 
 
 @pytest.mark.parametrize("layout", sorted(UNSUPPORTED))
@@ -215,3 +218,32 @@ def test_modelopt_exclusions_both_forms(tmp_path, layout):
     cfg["quantization_config"]["exclude_modules"] = flat["ignore"]
     (buggy / "config.json").write_text(json.dumps(cfg))
     assert sglang_is_quantized(sglang_quant_config(buggy), "lm_head") is PRE_FIX_FORM_QUANTIZES_LM_HEAD[layout]
+
+
+def test_sglang_holds_mxfp8_values(tmp_path):
+    """SGLang's native MXFP8 method (``Fp8Config(use_mxfp8)``) loads te-serial's ``sglang_mxfp8``
+    export into its own parameters (``weight`` E4M3, ``weight_scale_inv`` uint8 E8M0) and, after its
+    post-load processing, holds exactly the values of the te-serial MXFP8 checkpoint it came from
+    (E4M3 value times 2^(e - 127) per 1x32 block, written here from the OCP MX definition)."""
+    import te_serial as ts
+    from safetensors.torch import load_file
+    from te_serial.conversion import convert
+
+    src = _tiny_llama(tmp_path)
+    convert(src, tmp_path / "te", recipe="mxfp8")
+    convert(tmp_path / "te", tmp_path / "sg", recipe="sglang_mxfp8")
+    want = ts.load_quantized(tmp_path / "te")
+    raw = load_file(tmp_path / "sg" / "model.safetensors")
+    qc = sglang_quant_config(tmp_path / "sg")
+    checked = 0
+    for name in HF_LINEARS:
+        w = name + ".weight"
+        if tuple(raw[w].shape) != (256, 256):  # the harness builds 256x256 layers
+            continue
+        layer = sglang_load_linear(qc, name, {"weight": raw[w], "weight_scale_inv": raw[w + "_scale_inv"]})
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.dtype == torch.uint8
+        e = layer.weight_scale_inv.data.to(torch.int32) - 127
+        held = layer.weight.data.float() * torch.exp2(e.float()).repeat_interleave(32, dim=1)
+        assert torch.equal(held, want[w].dequantize().float()), name
+        checked += 1
+    assert checked == 2  # q_proj and o_proj are 256x256

@@ -1,10 +1,18 @@
-"""DeepSeek-V3 block FP8 (``quant_method: "fp8"``): ``<m>.weight`` F8_E4M3 ``[N, K]`` plus
-``<m>.weight_scale_inv`` F32 ``[⌈N/128⌉, ⌈K/128⌉]`` (value = fp8 · scale_inv; DeepSeek-V3.1's
-``scale_fmt: "ue8m0"`` keeps the scales powers of two, as F32 or as F8_E8M0 bytes). Activations
-are quantized dynamically per 1×128 group at run time, so there is no activation choice.
-``config.json``: ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-"activation_scheme": "dynamic"}``, with ``ignored_layers`` / ``modules_to_not_convert`` naming
-the linears left in high precision."""
+"""The ``quant_method: "fp8"`` / ``"mxfp8"`` family: block FP8 weights with ``weight_scale_inv``
+(value = fp8 · scale_inv), as DeepSeek-V3 checkpoints, transformers' FineGrainedFP8 and SGLang's
+``Fp8Config`` name them.
+
+* ``deepseek_fp8`` (DeepSeek-V3 block FP8): ``<m>.weight`` F8_E4M3 ``[N, K]`` plus
+  ``<m>.weight_scale_inv`` F32 ``[⌈N/128⌉, ⌈K/128⌉]``; DeepSeek-V3.1's ``scale_fmt: "ue8m0"`` keeps
+  the scales powers of two, as F32 or as F8_E8M0 bytes. ``config.json``: ``{"quant_method": "fp8",
+  "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``.
+* ``sglang_mxfp8`` (SGLang's native MXFP8, ``Fp8Config(use_mxfp8)``): ``<m>.weight`` F8_E4M3
+  ``[N, K]`` plus ``<m>.weight_scale_inv`` U8 ``[N, ⌈K/32⌉]`` of E8M0 exponents (SGLang registers
+  that parameter as uint8 and copies the bytes). ``config.json``: ``{"quant_method": "mxfp8",
+  "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "activation_scheme": "dynamic"}``.
+
+Activations are quantized dynamically per block at run time, so there is no activation choice.
+``ignored_layers`` / ``modules_to_not_convert`` name the linears left in high precision."""
 
 from __future__ import annotations
 
@@ -13,8 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ... import numerics as nx
-from .base import E4M3, F32, split
+from ...errors import ConversionError
+from .base import E4M3, F32, representation, split
 from .common import ExternalLayout, Offer
+
+U8 = torch.uint8
+#: scheme → (block rows, block cols) of one weight_scale_inv entry
+_BLOCK = {"fp8_block": (128, 128), "mxfp8": (1, 32)}
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
@@ -22,23 +35,39 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class DeepSeek(ExternalLayout):
     family = "deepseek"
-    offers = {"fp8_block": Offer("deepseek_fp8", "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per "
-                                 "128x128 block", {"dynamic": "dynamic per-token-group FP8"}, aliases=("deepseek",))}
+    mixed_name = "block_fp8_mixed"
+    offers = {
+        "fp8_block": Offer("deepseek_fp8", "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 "
+                           "block", {"dynamic": "dynamic per-token-group FP8"}, aliases=("deepseek",)),
+        "mxfp8": Offer("sglang_mxfp8", "SGLang MXFP8 (quant_method mxfp8): E4M3 weight + E8M0 (U8) weight_scale_inv "
+                       "per 1x32, scale_fmt ue8m0", {"dynamic": "dynamic MXFP8"}),
+    }
 
     def weight_keys(self, name, shape, scheme):
         n, k = shape
-        return [(name, (n, k), E4M3), (name + "_scale_inv", (nx.ceil_div(n, 128), nx.ceil_div(k, 128)), F32)]
+        bn, bk = _BLOCK[scheme]
+        return [(name, (n, k), E4M3),
+                (name + "_scale_inv", (nx.ceil_div(n, bn), nx.ceil_div(k, bk)), U8 if scheme == "mxfp8" else F32)]
 
     def export(self, name, t, scheme):
         parts = split(t, scheme)
         return {name: parts.data, name + "_scale_inv": parts.scale}
 
     def quantization_config(self, scheme, mode, ignored, *, kv_cache=False):
-        qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+        if scheme == "mxfp8":
+            qc = {"activation_scheme": "dynamic", "quant_method": "mxfp8", "scale_fmt": "ue8m0",
+                  "weight_block_size": [1, 32]}
+        else:
+            qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
         if ignored:
             qc["ignored_layers"] = list(ignored)
             qc["modules_to_not_convert"] = list(ignored)
         return qc
+
+    def mixed_config(self, groups, ignored, *, kv_cache=False):
+        raise ConversionError("a quant_method 'fp8' / 'mxfp8' checkpoint holds one weight scheme (its config.json "
+                              "names one weight_block_size): write " + " or ".join(
+                                  self.offers[s].target for s, _, _ in groups) + " alone", field="recipe")
 
     def claim(self, src: "SafetensorsSource") -> None:
         keyset = set(src.keys())
@@ -51,19 +80,20 @@ class DeepSeek(ExternalLayout):
             wd, ws, wb = src.info(w)
             sd, ss, sb = src.info(k)
             if wd != E4M3 or len(ws) != 2:
-                src.fail(f"DeepSeek block FP8 weights are 2-D F8_E4M3, got {wd}{list(ws)}", w)
-            want = (nx.ceil_div(ws[0], 128), nx.ceil_div(ws[1], 128))
-            if sd not in (F32, torch.float8_e8m0fnu) or ss != want:
-                src.fail(f"weight_scale_inv should be F32{list(want)} for a weight of shape {list(ws)} "
-                          f"(one scale per 128x128 block), got {sd}{list(ss)}", k)
-            pow2 = src.ue8m0 or sd == torch.float8_e8m0fnu
-            src.add_quantized(w, tuple(ws), {"weight": w, "scale": k, "scheme": "fp8_block", "pow2": pow2},
+                src.fail(f"block FP8 weights (weight_scale_inv naming) are 2-D F8_E4M3, got {wd}{list(ws)}", w)
+            scheme = "mxfp8" if sd == U8 else "fp8_block"   # E8M0 bytes per 1x32 (SGLang), else fp32 per 128x128
+            if ss != _want(ws, scheme) or (scheme == "fp8_block" and sd not in (F32, torch.float8_e8m0fnu)):
+                src.fail(f"weight_scale_inv should be F32{list(_want(ws, 'fp8_block'))} (one scale per 128x128 block) "
+                         f"or U8{list(_want(ws, 'mxfp8'))} (E8M0 per 1x32, SGLang MXFP8) for a weight of shape "
+                         f"{list(ws)}, got {sd}{list(ss)}", k)
+            pow2 = scheme == "fp8_block" and (src.ue8m0 or sd == torch.float8_e8m0fnu)
+            src.add_quantized(w, tuple(ws), {"weight": w, "scale": k, "scheme": scheme, "pow2": pow2},
                               wb + sb, self)
 
     def quantizer_for(self, src, name, scheme):
         q = super().quantizer_for(src, name, scheme)
-        if q == self.representation(scheme) and (src.ue8m0 or src.info(name + "_scale_inv")[0] == torch.float8_e8m0fnu):
-            from .base import representation
+        if scheme == "fp8_block" and q == self.representation(scheme) and (
+                src.ue8m0 or src.info(name + "_scale_inv")[0] == torch.float8_e8m0fnu):
             return representation(scheme, pow2=True)
         return q
 
@@ -71,4 +101,9 @@ class DeepSeek(ExternalLayout):
         scale = src.read(st.keys["scale"])
         if scale.dtype == torch.float8_e8m0fnu:
             scale = nx.e8m0_dequant_scale(scale.view(torch.uint8))
-        return self.finish_load(src, st, src.read(st.keys["weight"]), scale.float())
+        return self.finish_load(src, st, src.read(st.keys["weight"]), scale if scale.dtype == U8 else scale.float())
+
+
+def _want(shape, scheme: str) -> tuple[int, int]:
+    bn, bk = _BLOCK[scheme]
+    return nx.ceil_div(shape[0], bn), nx.ceil_div(shape[1], bk)
