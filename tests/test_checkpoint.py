@@ -357,11 +357,11 @@ def _odd_state():
 def test_direct_io_writes_whole_blocks_and_buffers_the_edges(tmp_path, monkeypatch):
     """Large files write each buffer's whole blocks with O_DIRECT and its partial edge blocks through
     the page cache: the file is byte for byte what a buffered save writes."""
-    from te_serial.checkpoint import files
+    from te_serial.checkpoint import direct_io, files
     sd = _odd_state()
-    monkeypatch.setenv(files.DIRECT_IO_ENV, "0")
+    monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "0")
     ts.save_quantized(sd, tmp_path / "buffered.safetensors")
-    monkeypatch.delenv(files.DIRECT_IO_ENV)
+    monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "1")
     monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
     calls = []
     real = files._DirectBlocks.write
@@ -381,9 +381,10 @@ def test_direct_io_writes_whole_blocks_and_buffers_the_edges(tmp_path, monkeypat
 
 
 def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    from te_serial.checkpoint import files
+    from te_serial.checkpoint import direct_io, files
     sd = _odd_state()
     ts.save_quantized(sd, tmp_path / "ref.safetensors")
+    monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "1")
     monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
 
     def refuse(self, view, offset):

@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import mmap
+import operator
 import os
 import re
 import secrets
@@ -43,6 +44,7 @@ import xxhash
 
 from ..dtypes import dtype_from_code, safetensors_code
 from ..errors import CheckpointError, CheckpointFileError
+from .direct_io import use_direct_io
 
 TMP_PREFIX = ".te_serial-tmp-"
 #: safetensors' own limit on the header's JSON
@@ -165,6 +167,59 @@ def read_header(fd: int, path: str, size: int) -> Header:
     if not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         fail("safetensors __metadata__ must map strings to strings", "__metadata__")
     data_len = size - 8 - n
+    entries = _entries_checked_by_columns(header, data_len)
+    if entries is None:  # a flaw somewhere (or an unusual form): the loop below names it
+        entries = _entries_checked_one_by_one(header, data_len, fail)
+    return Header(entries, meta, 8 + n, size)
+
+
+_get_dtype, _get_shape, _get_offsets = (operator.itemgetter(k) for k in ("dtype", "shape", "data_offsets"))
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _ints(values: list) -> bool:
+    return not values or set(map(type, values)) == {int}
+
+
+def _entries_checked_by_columns(header: dict, data_len: int) -> dict[str, Entry] | None:
+    """The entries, when every check :func:`_entries_checked_one_by_one` makes passes, made a
+    field at a time over all entries with C-level builtins; None where any fails (then the
+    one-by-one loop finds and names the first flaw)."""
+    values = list(header.values())
+    if not values:
+        return {} if data_len == 0 else None
+    if set(map(type, values)) != {dict} or set(map(len, values)) != {len(_ENTRY_FIELDS)}:
+        return None
+    try:  # three keys each, and these three: exactly the fields
+        codes, shapes, offsets = (list(map(get, values)) for get in (_get_dtype, _get_shape, _get_offsets))
+    except KeyError:
+        return None
+    if set(map(type, codes)) != {str}:
+        return None
+    known = {code: dtype_from_code(code) for code in set(codes)}
+    dtypes = list(map(known.__getitem__, codes))
+    if None in known.values() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+        return None
+    if max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    if not _ints(dims) or (dims and (min(dims) < 0 or max(dims) > data_len)):  # products stay small
+        return None
+    starts, ends = list(map(_first, offsets)), list(map(_second, offsets))
+    if not (_ints(starts) and _ints(ends)) or min(starts) < 0 or max(ends) > data_len:
+        return None
+    itemsize = {code: dt.itemsize for code, dt in known.items()}
+    sizes = list(map(operator.mul, map(math.prod, shapes), map(itemsize.__getitem__, codes)))
+    if list(map(operator.sub, ends, starts)) != sizes:  # sizes are >= 0, so start <= end too
+        return None
+    spans = sorted(zip(starts, ends))  # the data section tiled: no gaps, no overlaps
+    if spans[0][0] != 0 or spans[-1][1] != data_len or \
+            list(map(_first, spans[1:])) != list(map(_second, spans[:-1])):
+        return None
+    return dict(zip(header, map(tuple.__new__, itertools.repeat(Entry), zip(dtypes, map(tuple, shapes), starts, ends))))
+
+
+def _entries_checked_one_by_one(header: dict, data_len: int, fail: Callable) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     for key, info in header.items():
         if not isinstance(info, dict) or info.keys() != _ENTRY_FIELDS:
@@ -180,8 +235,8 @@ def read_header(fd: int, path: str, size: int) -> Header:
         start, end = offsets
         if not 0 <= start <= end <= data_len:
             fail(f"safetensors entry data_offsets {offsets} lie outside the {data_len}-byte data section", key)
-        count = 1
-        for s in shape:  # bounded: stops as soon as the count exceeds what the range can hold
+        count = 0 if 0 in shape else 1
+        for s in shape if count else ():  # bounded: stops once the count exceeds what the range holds
             count *= s
             if count * dtype.itemsize > end - start:
                 break
@@ -196,7 +251,7 @@ def read_header(fd: int, path: str, size: int) -> Header:
         end = e.end
     if end != data_len:
         fail(f"safetensors data section is {data_len} bytes but its entries cover {end}")
-    return Header(entries, meta, 8 + n, size)
+    return entries
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
@@ -390,10 +445,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-#: files at least this large write the whole blocks of each buffer with ``O_DIRECT``
+#: where a save writes direct (:mod:`.direct_io`), files at least this large write the whole blocks
+#: of each buffer with ``O_DIRECT``
 DIRECT_MIN_BYTES = 64 << 20
-#: ``TE_SERIAL_DIRECT_IO=0`` writes every file through the page cache
-DIRECT_IO_ENV = "TE_SERIAL_DIRECT_IO"
 _BLOCK = 4096          # O_DIRECT alignment of offsets, lengths and memory (a multiple of any sector)
 _STAGE_BYTES = 8 << 20
 
@@ -401,11 +455,12 @@ _STAGE_BYTES = 8 << 20
 class _DirectBlocks:
     """The whole blocks of a file, written with ``O_DIRECT`` from an aligned staging buffer.
 
-    A checkpoint is written once and rarely read back by the writer, so its bytes need not pass
-    through the page cache: on some machines buffered writes of computed data slow down several
-    times once the dirty pages pile up, where direct ones keep the disk's speed. A buffer's partial first and last
-    blocks go through the page cache (:class:`_PlannedFile` writes them), so no block is ever written
-    both ways. Where the file system refuses ``O_DIRECT`` (tmpfs) or a write, everything is buffered.
+    Used where :func:`.direct_io.use_direct_io` chose it (a checkpoint larger than the page cache
+    it can count on, on a file system whose direct writes keep up): there buffered writes of
+    computed data can slow down several times once the dirty pages pile up, where direct ones keep
+    the disk's speed. A buffer's partial first and last blocks go through the page cache
+    (:class:`_PlannedFile` writes them), so no block is ever written both ways. Where a write is
+    refused, the rest of the file is buffered.
     """
 
     _stages = threading.local()  # one page-aligned staging buffer per writing thread, reused
@@ -442,10 +497,6 @@ class _DirectBlocks:
             self.fd = -1
 
 
-def _direct_io_wanted(size: int) -> bool:
-    return size >= DIRECT_MIN_BYTES and hasattr(os, "O_DIRECT") and os.environ.get(DIRECT_IO_ENV, "1") != "0"
-
-
 def header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
     """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
     header: dict = {}
@@ -463,7 +514,7 @@ class _PlannedFile:
     into a reserved space when it depends on the data."""
 
     def __init__(self, final: Path, items: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 metadata: Mapping[str, str] | None, reserve: int | None) -> None:
+                 metadata: Mapping[str, str] | None, reserve: int | None, direct: bool = False) -> None:
         self.final = final
         self.tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}")
         order = sorted(range(len(items)), key=lambda i: -items[i][2].itemsize)  # aligned: widest first
@@ -483,6 +534,7 @@ class _PlannedFile:
         placeholder = {"": "A" * reserve} if reserve is not None else metadata
         self.header_len = len(header_bytes(self.entries, placeholder))
         self.fd = -1
+        self.direct_wanted = direct and self.size >= DIRECT_MIN_BYTES
         self.direct: _DirectBlocks | None = None
         self.written: set[str] = set()
         self.done = False
@@ -495,10 +547,10 @@ class _PlannedFile:
         if self.fd < 0:
             self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             os.ftruncate(self.fd, self.size)
-            if _direct_io_wanted(self.size):
+            if self.direct_wanted:
                 try:
                     self.direct = _DirectBlocks(self.tmp)
-                except OSError:  # the file system has no O_DIRECT (tmpfs): the page cache it is
+                except OSError:  # refused after all: the page cache it is
                     self.direct = None
 
     def write(self, key: str, data: memoryview) -> None:
@@ -610,7 +662,9 @@ class ShardSet:
             used += nbytes
         n = len(groups)
         finals = [single] if single is not None else [root / shard_name(i, n) for i in range(n)]
-        self.files = [_PlannedFile(final, items, metadata, reserve) for final, items in zip(finals, groups)]
+        total = sum(math.prod(shape) * dtype.itemsize for items in groups for _, shape, dtype in items)
+        direct = use_direct_io(root, total)
+        self.files = [_PlannedFile(final, items, metadata, reserve, direct) for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
         self._hasher: ThreadPoolExecutor | None = None
         self._renamed: list[Path] = []

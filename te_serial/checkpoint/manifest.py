@@ -12,6 +12,7 @@ quantizer describes; indices in range; names unique) — before any buffer is to
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
 import heapq
@@ -221,6 +222,30 @@ class _TensorTable(Mapping):
         return name in self._m._index
 
 
+class _ProtoView(Mapping):
+    """name → TensorProto, read from the manifest's columns on each access (O(1), no copy)."""
+
+    __slots__ = ("_index", "_protos", "_proto_index")
+
+    def __init__(self, manifest: "Manifest") -> None:
+        self._index, self._protos, self._proto_index = manifest._index, manifest.protos, manifest.proto_index
+
+    def __getitem__(self, name: str) -> TensorProto:
+        return self._protos[self._proto_index[self._index[name]]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} prototypes>"
+
+
 @dataclass
 class Manifest:
     """Everything a checkpoint says about itself except the buffer bytes, as columns."""
@@ -241,7 +266,8 @@ class Manifest:
     chunks: dict[int, list[list[Piece]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._index = {n: i for i, n in enumerate(self.names) if n not in self.skipped}
+        self._index = ({n: i for i, n in enumerate(self.names) if n not in self.skipped} if self.skipped
+                       else dict(zip(self.names, range(len(self.names)))))
         self._file_names = list(self.files) or [SELF_FILE]
         self._layouts: dict[int, list] = {}
         self.tensors = _TensorTable(self)
@@ -250,9 +276,9 @@ class Manifest:
     def proto(self, name: str) -> TensorProto:
         return self.protos[self.proto_index[self._index[name]]]
 
-    def protos_by_name(self) -> dict[str, TensorProto]:
-        protos, idx = self.protos, self.proto_index
-        return {n: protos[idx[i]] for n, i in self._index.items()}
+    def protos_by_name(self) -> Mapping[str, TensorProto]:
+        """name → prototype, a read-only view over the columns (nothing is built per tensor)."""
+        return _ProtoView(self)
 
     def _layout(self, p: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(buffer name, shape, stored dtype) of prototype ``p``, in flatten order (cached)."""
@@ -297,6 +323,7 @@ class Manifest:
     def buffers_by_file(self) -> dict[str, list[tuple[str, str, str, tuple[int, ...], torch.dtype]]]:
         """file → (tensor, buffer, key, shape, stored dtype) of every stored buffer (aliases once)."""
         out: dict[str, list] = {}
+        by_index: dict[int, list] = {}   # file index → its list in ``out``
         for name, i in self._index.items():
             if i in self.aliases:
                 continue
@@ -307,9 +334,15 @@ class Manifest:
                             (name, b, chunk_key(name, b, j), pc.sizes, dtype))
                 continue
             files = self.file_index[i]
-            for j, (b, shape, dtype) in enumerate(self._layout(self.proto_index[i])):
-                out.setdefault(self._file_names[files[j]], []).append(
-                    (name, b, buffer_key(name, b), shape, dtype))
+            rows = [(name, b, buffer_key(name, b), shape, dtype) for b, shape, dtype in self._layout(self.proto_index[i])]
+            if len(set(files)) == 1:  # the usual case: a tensor's buffers share one file
+                target = by_index.get(files[0])
+                if target is None:
+                    target = by_index[files[0]] = out.setdefault(self._file_names[files[0]], [])
+                target.extend(rows)
+                continue
+            for f, row in zip(files, rows):
+                out.setdefault(self._file_names[f], []).append(row)
         return out
 
     def _entry(self, i: int) -> TensorEntry:
@@ -416,6 +449,21 @@ class Manifest:
                 gc.enable()
 
 
+def _buffer_like_names(names: list[str], buffer_names: frozenset[str]) -> list[int]:
+    """Indices of the names ``<prefix>.<suffix>`` whose suffix starts with ``_`` or is a buffer
+    name: one regular-expression pass over the joined names (a name holding a newline, which
+    would break the join, sends every name through)."""
+    joined = "\n".join(names)
+    if joined.count("\n") != max(len(names) - 1, 0):
+        return list(range(len(names)))
+    pattern = r"\.(?:_[^.\n]*|" + "|".join(map(re.escape, sorted(buffer_names))) + r")$"
+    found = [m.start() for m in re.finditer(pattern, joined, re.MULTILINE)]
+    if not found:
+        return []
+    starts = list(itertools.accumulate((len(n) + 1 for n in names), initial=0))
+    return [bisect.bisect_right(starts, at) - 1 for at in found]
+
+
 class _Decoder:
     def __init__(self, source: str, strict: bool, file_bytes: int | None = None) -> None:
         self.source, self.strict, self.file_bytes = source, strict, file_bytes
@@ -486,7 +534,9 @@ class _Decoder:
             if len(chunk_col) != n:
                 self.fail("tensor columns have different lengths", field="tensors/chunks")
         skipped = {}
-        for i in range(n):
+        rows_ok = (chunk_col is None and not bad_protos and max(proto_index, default=-1) < len(protos)
+                   and self.rows_fit(proto_index, file_index, checksums, nbuf, n_files))
+        for i in range(0 if rows_ok else n):  # the loop names the first tensor at fault
             p = proto_index[i]
             if p >= len(protos):
                 self.fail(f"prototype index {p} out of range", tensor=names[i], field="tensors/protos")
@@ -589,13 +639,25 @@ class _Decoder:
                     self.fail(f"tensor {name!r} would read the same safetensors key as a piece of a chunked tensor",
                               tensor=name, field="tensors/names")
 
+    @staticmethod
+    def rows_fit(proto_index: list, file_index: list, checksums: list | None, nbuf: list, n_files: int) -> bool:
+        """Every tensor's files (and checksums) row has its prototype's buffer count, and every
+        file index names a listed file: the per-tensor loop's checks, a column at a time."""
+        want = [nbuf[p] for p in proto_index]
+        if list(map(len, file_index)) != want or (checksums is not None and list(map(len, checksums)) != want):
+            return False
+        return max(itertools.chain.from_iterable(file_index), default=-1) < n_files
+
     def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
         """No two stored buffers share a safetensors key. Buffer names hold no dot, so the only way
         is a plain tensor named ``<quantized tensor>.<one of its buffers>`` (``_<name>``, or a grouped
         tensor's TE names such as ``rowwise_data``)."""
         position = None
         buffer_names = {b for cls in STORAGE_REGISTRY.values() for b in cls.BUFFERS}
-        for i, name in enumerate(names):
+        # only names whose last component could be a buffer's need a look: found a column at a time
+        candidates = _buffer_like_names(names, frozenset(buffer_names))
+        for i in candidates:
+            name = names[i]
             p = protos[proto_index[i]] if name not in skipped else None
             if p is None or p.quantizer is not None or i in aliases or "." not in name:
                 continue

@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import binascii
 import gc
+import operator
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -62,6 +64,10 @@ from .tree import ExtraStateBudget, extra_state_refs, rebuild_tree
 from .transfer import DeviceCopier
 
 
+_KEY, _WANT_SHAPE_DTYPE = operator.itemgetter(2), operator.itemgetter(3, 4)   # of buffers_by_file's rows
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")                          # of a header Entry
+
+
 class Checkpoint:
     """A lazily opened checkpoint (``te_serial.open(path)``): prototypes now, bytes on demand."""
 
@@ -95,6 +101,7 @@ class Checkpoint:
         else:
             raise CheckpointFileError("no such checkpoint", file=str(self.path))
         self._protos = self.manifest.protos_by_name()
+        self._metadata = MappingProxyType(self.manifest.metadata)
 
     @staticmethod
     def _read_manifest(path: Path) -> bytes:
@@ -118,12 +125,14 @@ class Checkpoint:
 
     # --- what the handle tells without reading buffers ----------------------------------------
     @property
-    def protos(self) -> dict[str, TensorProto]:
-        return dict(self._protos)
+    def protos(self) -> Mapping[str, TensorProto]:
+        """name → prototype: a read-only view (the same object on every access, O(1) per lookup)."""
+        return self._protos
 
     @property
-    def metadata(self) -> dict[str, str]:
-        return dict(self.manifest.metadata)
+    def metadata(self) -> Mapping[str, str]:
+        """The checkpoint's string metadata, read-only."""
+        return self._metadata
 
     def keys(self) -> list[str]:
         return list(self.manifest.tensors)
@@ -181,7 +190,11 @@ class Checkpoint:
         if self._by_file is None:
             self._by_file = self.manifest.buffers_by_file()
         entries = f.entries
-        for tname, bname, key, want_shape, want_dtype in self._by_file.get(name, []):
+        wanted = self._by_file.get(name, [])
+        found = list(map(entries.get, map(_KEY, wanted)))
+        if None not in found and list(map(_SHAPE_DTYPE, found)) == list(map(_WANT_SHAPE_DTYPE, wanted)):
+            return  # all at once; else the loop names the first buffer at fault
+        for tname, bname, key, want_shape, want_dtype in wanted:
             e = entries.get(key)
             if e is None:
                 raise TensorMismatchError(f"buffer {bname} (key {key!r}) is not in the file",
@@ -518,7 +531,7 @@ def load_quantized(path: str | os.PathLike, *, device: str | torch.device = "cpu
 
 def read_protos(path: str | os.PathLike) -> dict[str, TensorProto]:
     """name → TensorProto, reading only the manifest (no buffer is touched)."""
-    return Checkpoint(path).protos
+    return dict(Checkpoint(path).protos)
 
 
 def verify(path: str | os.PathLike) -> int:
