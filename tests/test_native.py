@@ -1,7 +1,8 @@
-"""The native kernels (te_serial/native): the byte transpose gives torch's transpose on every shape
-class, alignment and 1-byte dtype, compiled or not, with its fallbacks; the block maxima give torch's
-amax; the FP8 cast gives torch's conversion (the eager path's) on every input bit pattern class,
-every FP8 rounding tie and every scale layout the formats use."""
+"""The native kernels (te_serial/native) and their custom ops (te_serial/kernel_ops): the byte
+transpose gives torch's transpose on every shape class, alignment and 1-byte dtype, compiled or not,
+with its fallbacks; the block maxima give torch's amax; the FP8 cast gives torch's conversion (the
+eager path's) on every input bit pattern class, every FP8 rounding tie and every scale layout the
+formats use."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from te_serial import native
+from te_serial import kernel_ops, native
 from te_serial import numerics as nx  # the eager rule the C cast must equal
 from te_serial.formats import fused
 from helpers import same_values
@@ -54,7 +55,7 @@ def test_the_kernel_builds_where_there_is_a_compiler():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_transpose_is_torchs_transpose(shape):
     x = _random_bytes(shape)
-    got = native.transpose_bytes(x)
+    got = kernel_ops.transpose_bytes(x)
     assert got.shape == (shape[1], shape[0]) and got.is_contiguous()
     assert torch.equal(got, x.t())
 
@@ -62,11 +63,11 @@ def test_transpose_is_torchs_transpose(shape):
 def test_row_strided_inputs_and_every_byte_dtype():
     wide = _random_bytes((1030, 700), seed=1)
     view = wide[3:1027, 5:600]  # rows further apart than they are long
-    assert torch.equal(native.transpose_bytes(view), view.t())
+    assert torch.equal(kernel_ops.transpose_bytes(view), view.t())
     cols = wide.t()[:512]  # column-major: made row-major first
-    assert torch.equal(native.transpose_bytes(cols), cols.t())
+    assert torch.equal(kernel_ops.transpose_bytes(cols), cols.t())
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
-        got = native.transpose_bytes(wide.view(dtype))
+        got = kernel_ops.transpose_bytes(wide.view(dtype))
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), wide.t())
 
 
@@ -74,11 +75,11 @@ def test_large_inputs_split_between_threads_give_the_same_bytes(monkeypatch):
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # every shape below splits
     for shape in [(4096, 96), (777, 1001), (130, 4096)]:
         x = _random_bytes(shape, seed=2)
-        assert torch.equal(native.transpose_bytes(x), x.t())
+        assert torch.equal(kernel_ops.transpose_bytes(x), x.t())
 
 
 def test_inside_a_compiled_graph():
-    f = torch.compile(lambda a: native.transpose_bytes(a.view(torch.float8_e4m3fn)).view(torch.uint8) + 1,
+    f = torch.compile(lambda a: kernel_ops.transpose_bytes(a.view(torch.float8_e4m3fn)).view(torch.uint8) + 1,
                       fullgraph=True, dynamic=True, backend="eager")
     for shape in [(64, 48), (100, 30)]:
         x = _random_bytes(shape, seed=3)
@@ -89,13 +90,14 @@ def test_switched_off_or_unbuildable_falls_back_to_torch(fresh_native, monkeypat
     x = _random_bytes((200, 72), seed=4)
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert not fresh_native.available()
-    assert torch.equal(fresh_native.transpose_bytes(x), x.t())
+    assert fresh_native.transpose_bytes(x) is None  # the kernel declines, the op runs torch's
+    assert torch.equal(kernel_ops.transpose_bytes(x), x.t())
 
     monkeypatch.delenv(native.NATIVE_ENV)
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     with pytest.warns(RuntimeWarning, match="native byte kernels unavailable"):
         assert not fresh_native.available()
-    assert torch.equal(fresh_native.transpose_bytes(x), x.t())
+    assert torch.equal(kernel_ops.transpose_bytes(x), x.t())
     assert not list(fresh_native.cache_dir().glob("*.so")), "a failed build left a library behind"
 
 
@@ -113,9 +115,9 @@ def test_a_build_is_cached_by_source(fresh_native):
 
 def test_refuses_what_is_not_a_2d_byte_array():
     with pytest.raises(ValueError, match="1-byte"):
-        native.transpose_bytes(torch.zeros(4, 4, dtype=torch.float32))
+        kernel_ops.transpose_bytes(torch.zeros(4, 4, dtype=torch.float32))
     with pytest.raises(ValueError, match="2-D"):
-        native.transpose_bytes(torch.zeros(4, 4, 4, dtype=torch.uint8))
+        kernel_ops.transpose_bytes(torch.zeros(4, 4, 4, dtype=torch.uint8))
 
 
 
@@ -125,12 +127,12 @@ def test_a_forked_child_runs_the_kernels_in_its_own_thread(monkeypatch):
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)
     x = _random_bytes((512, 256), seed=5)
     want = x.t().contiguous().numpy().tobytes()
-    assert native.transpose_bytes(x).numpy().tobytes() == want  # the parent's threads exist now
+    assert kernel_ops.transpose_bytes(x).numpy().tobytes() == want  # the parent's threads exist now
     assert native._threads(512, x.numel(), 64) == min(torch.get_num_threads(), 8)
     pid = os.fork()
     if pid == 0:  # the child: no torch op that could enter a parallel region, no pytest
         try:
-            ok = native._threads(512, x.numel(), 64) == 1 and native.transpose_bytes(x).numpy().tobytes() == want
+            ok = native._threads(512, x.numel(), 64) == 1 and kernel_ops.transpose_bytes(x).numpy().tobytes() == want
             os._exit(0 if ok else 1)
         except BaseException:  # noqa: BLE001 - the child must never return into pytest
             os._exit(2)
@@ -214,7 +216,7 @@ def _eager_codes(x, scale, fp8_dtype):
 
 
 def _native_codes(x, scale, fp8_dtype):
-    return native.scale_cast_fp8(x, scale, fp8_dtype).view(torch.uint8)
+    return kernel_ops.scale_cast_fp8(x, scale, fp8_dtype).view(torch.uint8)
 
 
 def _ties(fp8_dtype):
@@ -259,7 +261,7 @@ def test_cast_fp32_ties_specials_and_random_bits(fp8_dtype):
     # independent of torch's conversion: each code decodes to the finite FP8 value nearest its
     # (clamped) input, the one with an even code on a tie, with the input's sign
     x = _ties(fp8_dtype)
-    got = native.scale_cast_fp8(x, None, fp8_dtype)
+    got = kernel_ops.scale_cast_fp8(x, None, fp8_dtype)
     codes = torch.arange(0, 0x80, dtype=torch.uint8)
     vals = codes.view(fp8_dtype).float()
     codes, vals = codes[torch.isfinite(vals)], vals[torch.isfinite(vals)]
@@ -319,7 +321,7 @@ def test_cast_declines_to_torch_where_the_c_loop_does_not_apply():
     y = torch.randn(16, 8) * 100
     s2 = (torch.rand(8, 16) + 0.5).t()          # strides (1, 16): the last dim's stride is 16
     assert torch.equal(_native_codes(y, s2, torch.float8_e5m2), _eager_codes(y, s2, torch.float8_e5m2))
-    assert native.scale_cast_fp8(torch.empty(0, 4), torch.tensor(1.0), torch.float8_e4m3fn).shape == (0, 4)
+    assert kernel_ops.scale_cast_fp8(torch.empty(0, 4), torch.tensor(1.0), torch.float8_e4m3fn).shape == (0, 4)
 
 
 def test_cast_switched_off_gives_the_same_codes(fresh_native, monkeypatch):
@@ -391,26 +393,26 @@ def test_each_simd_tier_gives_the_same_codes(tier, fresh_native, monkeypatch):
             assert torch.equal(_native_codes(xs, s, fp8_dtype), _eager_codes(xs, s, fp8_dtype)), (fp8_dtype, xs.shape)
     for dim in (-1, -2):
         xs, s = x.reshape(128, 16, 32), torch.rand(128, 16, 1) * 4
-        assert torch.equal(native.scale_cast_fp4(xs, s, dim), nx.scale_and_cast_to_fp4(xs, s, dim)), dim
+        assert torch.equal(kernel_ops.scale_cast_fp4(xs, s, dim), nx.scale_and_cast_to_fp4(xs, s, dim)), dim
     # the other loops' generic forms: both usages in one read, the dequantize, 4over6 (table lookups,
     # row sums without AVX2's transposes)
     xs, rs, cs = x.reshape(256, 256), torch.rand(256, 8) + 0.5, torch.rand(8, 256) + 0.5
-    got, want = fresh_native.scale_cast_fp8_pair(xs, rs, cs, torch.float8_e4m3fn, 32), \
+    got, want = kernel_ops.scale_cast_fp8_pair(xs, rs, cs, torch.float8_e4m3fn, 32), \
         nx.scale_and_cast_to_fp8_pair(xs, rs, cs, torch.float8_e4m3fn, 32)
     assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
     codes = torch.arange(256, dtype=torch.uint8).repeat(64, 1)
     for fp8_dtype in FP8_TYPES:
-        assert same_values(fresh_native.dequantize_fp8(codes, rs[:64, :1], fp8_dtype),
+        assert same_values(kernel_ops.dequantize_fp8(codes, rs[:64, :1], fp8_dtype),
                            codes.view(fp8_dtype).float() * rs[:64, :1])
     for along, tile in [(1, True), (1, False), (0, True), (0, False)]:
         xq, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, along, tile, 40.0)
         args = (xq, enc4, sf4, enc6, sf6, amax, torch.tensor(6.0 * 256), False, along, tile)
-        got, want = fresh_native.scale_cast_fp4_4over6(*args), nx.scale_and_cast_to_fp4_4over6(*args)
+        got, want = kernel_ops.scale_cast_fp4_4over6(*args), nx.scale_and_cast_to_fp4_4over6(*args)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (along, tile)
     # both usages of the tiles from one pass
     xq, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, 1, True, 40.0)
     args = (xq, enc4, sf4, enc6, sf6, amax, torch.tensor(6.0 * 256), False)
-    got, want = fresh_native.scale_cast_fp4_4over6_pair(*args), nx.scale_and_cast_to_fp4_4over6_pair(*args)
+    got, want = kernel_ops.scale_cast_fp4_4over6_pair(*args), nx.scale_and_cast_to_fp4_4over6_pair(*args)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -438,9 +440,9 @@ def test_compiled_graphs_cast_through_the_c_loop(monkeypatch):
     if not native.available():
         pytest.skip("no native library: the graphs keep inductor's cast")
     calls = []
-    for name in ("_scale_cast_native", "_scale_cast_t_native"):  # the cast, and with its transpose (both usages)
+    for name in ("scale_cast_fp8", "scale_cast_fp8_transposed"):  # the cast, and with its transpose (both usages)
         real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, real=real: calls.append(a[3]) or real(*a))
+        monkeypatch.setattr(native, name, lambda *a, real=real: calls.append(a[2]) or real(*a))
     from te_serial import Float8CurrentScalingQuantizer
     q = Float8CurrentScalingQuantizer(torch.float8_e5m2)
     x = torch.randn(256, 512, dtype=torch.bfloat16)
@@ -468,7 +470,7 @@ def _fp4_eager(x, scale, dim):
 def test_fp4_cast_every_bf16_and_fp16_pattern_at_many_scales(dim, monkeypatch):
     monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)  # split between threads too
     for dtype, x, s in _every_16_bit_pattern(nx.FP4_MAX):
-        got = native.scale_cast_fp4(x, s, dim)
+        got = kernel_ops.scale_cast_fp4(x, s, dim)
         assert got.shape == ((256, 128) if dim == -1 else (128, 256))
         assert torch.equal(got, _fp4_eager(x, s, dim)), (dtype, s)
 
@@ -488,8 +490,8 @@ def test_fp4_cast_fp32_ties_specials_and_random_bits():
     for x in (rand.view(torch.float32).reshape(-1, 64), near.reshape(-1, 16)):
         for scale in [None, torch.tensor(1.0), torch.tensor(0.75), torch.tensor(2.0 ** -9)]:
             for dim in (-1, -2):
-                assert torch.equal(native.scale_cast_fp4(x, scale, dim), _fp4_eager(x, scale, dim))
-    assert native.scale_cast_fp4(torch.full((1, 16), float("nan")), None).tolist() == [[0x77] * 8]
+                assert torch.equal(kernel_ops.scale_cast_fp4(x, scale, dim), _fp4_eager(x, scale, dim))
+    assert kernel_ops.scale_cast_fp4(torch.full((1, 16), float("nan")), None).tolist() == [[0x77] * 8]
 
 
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -508,9 +510,9 @@ def test_fp4_cast_takes_the_layouts_nvfp4_uses(in_dtype, layout, monkeypatch):
         "tile16": (x.view(16, 16, 384), rand(16, 1, 24).repeat_interleave(16, dim=2), -2),
     }[layout]
     want = _fp4_eager(xs, s, dim)
-    assert torch.equal(native.scale_cast_fp4(xs, s, dim), want)
+    assert torch.equal(kernel_ops.scale_cast_fp4(xs, s, dim), want)
     xt = xs.transpose(0, -1).contiguous().transpose(0, -1)
-    assert torch.equal(native.scale_cast_fp4(xt, s, dim), want)
+    assert torch.equal(kernel_ops.scale_cast_fp4(xt, s, dim), want)
 
 
 def test_fp4_cast_declines_to_torch_where_the_c_loop_does_not_apply():
@@ -519,11 +521,11 @@ def test_fp4_cast_declines_to_torch_where_the_c_loop_does_not_apply():
     g = torch.Generator().manual_seed(9)
     for x, dim in [(torch.randn(8, 24, generator=g) * 4, -1), (torch.randn(8, 24, generator=g) * 4, -2),
                    (torch.randn(4, 32, generator=g).double() * 4, -1)]:
-        assert native._scale_cast_fp4_native(native._library(), x, None, dim) is None
-        assert torch.equal(native.scale_cast_fp4(x, torch.tensor(1.5), dim), _fp4_eager(x, torch.tensor(1.5), dim))
+        assert native.scale_cast_fp4(x, None, dim) is None
+        assert torch.equal(kernel_ops.scale_cast_fp4(x, torch.tensor(1.5), dim), _fp4_eager(x, torch.tensor(1.5), dim))
     for x, dim in [(torch.zeros(4, 16), 0), (torch.zeros(7, 16), -2), (torch.zeros(4, 15), -1), (torch.zeros(16), -2)]:
         with pytest.raises(ValueError, match="dim -1 or -2 of even size"):
-            native.scale_cast_fp4(x, None, dim)
+            kernel_ops.scale_cast_fp4(x, None, dim)
 
 
 def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
@@ -532,8 +534,8 @@ def test_compiled_nvfp4_casts_through_the_c_loop(monkeypatch):
     if not native.available():
         pytest.skip("no native library: the graphs keep torch's cast")
     calls = []
-    real = native._scale_cast_fp4_native
-    monkeypatch.setattr(native, "_scale_cast_fp4_native", lambda *a: calls.append(a[3]) or real(*a))
+    real = native.scale_cast_fp4
+    monkeypatch.setattr(native, "scale_cast_fp4", lambda *a: calls.append(a[2]) or real(*a))
     from te_serial import NVFP4Quantizer
     q = NVFP4Quantizer(rowwise=True, columnwise=True)
     x = torch.randn(256, 512, dtype=torch.bfloat16)
@@ -581,9 +583,8 @@ def test_4over6_pass_is_the_eager_rule(in_dtype, along, tile, mse, special, monk
     x, enc4, sf4, enc6, sf6, amax = _4over6_case(in_dtype, along, tile, special)
     denom = torch.tensor(6.0 * 256)
     want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
-    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, (along,),
-                                     tile) is not None
-    got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
+    assert native.fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, (along,), tile) is not None
+    got = kernel_ops.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, tile)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert 0 < want[1].float().mean() < 1
 
@@ -602,9 +603,8 @@ def test_4over6_tiles_pair_is_each_usage(in_dtype, mse, special, monkeypatch):
         single = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, along, True)
         assert torch.equal(single[0], data) and torch.equal(single[1], pick), along
         assert 0 < pick.float().mean() < 1
-    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, amax, denom, mse, (1, 0),
-                                     True) is not None
-    got = native.scale_cast_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)
+    assert native.fp4_4over6(x, enc4, sf4, enc6, sf6, amax, denom, mse, (1, 0), True) is not None
+    got = kernel_ops.scale_cast_fp4_4over6_pair(x, enc4, sf4, enc6, sf6, amax, denom, mse)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -614,21 +614,20 @@ def test_4over6_pass_declines_and_refuses():
     x, enc4, sf4, enc6, sf6, amax = _4over6_case(torch.bfloat16, 1, False, 40.0)
     denom = torch.tensor(6.0 * 256)
     per_row = torch.rand(x.shape[0], 1) + 1
-    assert native._fp4_4over6_native(native._library(), x, enc4, sf4, enc6, sf6, per_row, denom, False, (1,),
-                                     False) is None
-    got = native.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
+    assert native.fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, (1,), False) is None
+    got = kernel_ops.scale_cast_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
     want = nx.scale_and_cast_to_fp4_4over6(x, enc4, sf4, enc6, sf6, per_row, denom, False, 1, False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     cols = x[:32, :40].contiguous()  # blocks down 40 columns: not whole 16-lane groups
     g = torch.rand(2, 40) + 0.5
-    assert native._fp4_4over6_native(native._library(), cols, g, g, g, g, amax, denom, False, (0,), False) is None
-    got = native.scale_cast_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
+    assert native.fp4_4over6(cols, g, g, g, g, amax, denom, False, (0,), False) is None
+    got = kernel_ops.scale_cast_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
     want = nx.scale_and_cast_to_fp4_4over6(cols, g, g * 2, g, g, amax, denom, False, 0, False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="blocks of 16 along dim 1"):
-        native.scale_cast_fp4_4over6(x[:, :40], g, g, g, g, amax, denom, False, 1, False)
+        kernel_ops.scale_cast_fp4_4over6(x[:, :40], g, g, g, g, amax, denom, False, 1, False)
     with pytest.raises(ValueError, match="tiles: both"):
-        native.scale_cast_fp4_4over6(x[:200], enc4, sf4, enc6, sf6, amax, denom, False, 1, True)
+        kernel_ops.scale_cast_fp4_4over6(x[:200], enc4, sf4, enc6, sf6, amax, denom, False, 1, True)
 
 
 # --- both usages of 1 x b / b x 1 blocks from one read -------------------------------------------
@@ -644,8 +643,8 @@ def test_paired_cast_is_two_casts(fp8_dtype, in_dtype, b, monkeypatch):
     x, rand = _layout_input(in_dtype, seed=22, magnitude=300)
     m, k = x.shape
     rs, cs = rand(m, k // b), rand(m // b, k)
-    assert native._scale_cast_pair_native(native._library(), x, rs, cs, fp8_dtype, b) is not None
-    rows, cols = native.scale_cast_fp8_pair(x, rs, cs, fp8_dtype, b)
+    assert native.scale_cast_fp8_pair(x, rs, cs, fp8_dtype, b) is not None
+    rows, cols = kernel_ops.scale_cast_fp8_pair(x, rs, cs, fp8_dtype, b)
     want_rows = _eager_codes(x.reshape(m, k // b, b), rs[..., None], fp8_dtype).reshape(m, k)
     want_cols = _eager_codes(x.reshape(m // b, b, k), cs[:, None, :], fp8_dtype).reshape(m, k)
     assert torch.equal(rows.view(torch.uint8), want_rows) and torch.equal(cols.view(torch.uint8), want_cols)
@@ -657,15 +656,14 @@ def test_paired_cast_declines_and_refuses():
     x, rand = _layout_input(torch.bfloat16, seed=23, magnitude=3)
     x48 = x[:240].contiguous()  # 5 x 48 rows, 8 x 48 columns
     rs, cs = rand(240, 8), rand(5, 384)
-    assert native._scale_cast_pair_native(native._library(), x48, rs, cs, torch.float8_e4m3fn, 48) is None
-    got = native.scale_cast_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48)
+    assert native.scale_cast_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48) is None
+    got = kernel_ops.scale_cast_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48)
     want = nx.scale_and_cast_to_fp8_pair(x48, rs, cs, torch.float8_e4m3fn, 48)
     assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
     one_per_row = rand(256, 1)  # not [M, K/b]
-    assert native._scale_cast_pair_native(native._library(), x, one_per_row, rand(8, 384), torch.float8_e4m3fn,
-                                          32) is None
+    assert native.scale_cast_fp8_pair(x, one_per_row, rand(8, 384), torch.float8_e4m3fn, 32) is None
     with pytest.raises(ValueError, match="blocks of 32 do not divide"):
-        native.scale_cast_fp8_pair(x[:, :100], rand(256, 3), rand(8, 100), torch.float8_e4m3fn, 32)
+        kernel_ops.scale_cast_fp8_pair(x[:, :100], rand(256, 3), rand(8, 100), torch.float8_e4m3fn, 32)
 
 
 # --- FP8 dequantize ----------------------------------------------------------------------------------
@@ -691,8 +689,8 @@ def test_dequantize_is_torchs_conversion_times_the_scale(fp8_dtype, layout, monk
     if layout != "tensor":
         s.view(-1)[:3] = torch.tensor([float("nan"), 1e-39, 2.0 ** 100])
     want = q.view(fp8_dtype).float() * s
-    got = native.dequantize_fp8(q, s, fp8_dtype)
-    assert native._dequantize_native(native._library(), q, s, fp8_dtype == torch.float8_e5m2) is not None
+    got = kernel_ops.dequantize_fp8(q, s, fp8_dtype)
+    assert native.dequantize_fp8(q, s, fp8_dtype) is not None
     assert same_values(got, want)
     assert torch.isnan(got).any() and (got == 0).any()
 
@@ -716,7 +714,7 @@ def test_cast_transposed_is_the_cast_then_the_transpose(in_dtype, layout, keep_r
     }[layout]
     for fp8_dtype in FP8_TYPES:
         want = _eager_codes(xs, s, fp8_dtype).reshape(-1, width)
-        rows, cols = native.scale_cast_fp8_transposed(xs, s, fp8_dtype, (xs.numel() // width, width), keep_rows)
+        rows, cols = kernel_ops.scale_cast_fp8_transposed(xs, s, fp8_dtype, (xs.numel() // width, width), keep_rows)
         assert torch.equal(cols.view(torch.uint8), want.t())
         assert rows is None if not keep_rows else torch.equal(rows.view(torch.uint8).reshape(-1, width), want)
 
@@ -727,13 +725,13 @@ def test_cast_transposed_declines_and_refuses():
     x = torch.randn(64, 96, dtype=torch.bfloat16) * 100
     s = torch.rand(64, 1, 2, 1) + 0.5
     xs = x.view(64, 1, 2, 48)
-    assert native._scale_cast_t_native(native._library(), xs, s, torch.float8_e4m3fn, 96, 64, True) is None  # 64 % 48
+    assert native.scale_cast_fp8_transposed(xs, s, torch.float8_e4m3fn, 96, 64, True) is None  # 64 % 48
     want = _eager_codes(xs, s, torch.float8_e4m3fn).reshape(-1, 64)
-    rows, cols = native.scale_cast_fp8_transposed(xs, s, torch.float8_e4m3fn, (96, 64))
+    rows, cols = kernel_ops.scale_cast_fp8_transposed(xs, s, torch.float8_e4m3fn, (96, 64))
     assert torch.equal(cols.view(torch.uint8), want.t()) and torch.equal(rows.view(torch.uint8).reshape(-1, 64), want)
     with pytest.raises(ValueError, match="is not shape"):
-        native.scale_cast_fp8_transposed(x, None, torch.float8_e4m3fn, (60, 100))
-    empty, transposed = native.scale_cast_fp8_transposed(torch.empty(5, 0), None, torch.float8_e5m2, (5, 0))
+        kernel_ops.scale_cast_fp8_transposed(x, None, torch.float8_e4m3fn, (60, 100))
+    empty, transposed = kernel_ops.scale_cast_fp8_transposed(torch.empty(5, 0), None, torch.float8_e5m2, (5, 0))
     assert empty.shape == (5, 0) and transposed.shape == (0, 5)
 
 
@@ -777,4 +775,4 @@ def test_a_library_of_another_interface_version_is_refused(fresh_native, monkeyp
     with pytest.warns(RuntimeWarning, match="interface version"):
         assert not fresh_native.available()
     x = _random_bytes((64, 48), seed=9)
-    assert torch.equal(fresh_native.transpose_bytes(x), x.t())
+    assert torch.equal(kernel_ops.transpose_bytes(x), x.t())

@@ -16,7 +16,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError
-from ..native import transpose_bytes
+from ..kernel_ops import transpose_bytes
 from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d, fp8_short_name, require_fp8_dtype
 from .tensors import QuantizedTensor, QuantizedTensorStorage
 from .base import Quantizer

@@ -28,7 +28,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import FormatError, QuantizationError, ShapeError
-from ..native import transpose_bytes
+from ..kernel_ops import transpose_bytes
 from ..tracing import tracing
 from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d, require_divisible
 from .engine import BlockAmax, blocks_amax
