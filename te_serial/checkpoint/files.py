@@ -287,9 +287,12 @@ def open_regular(path: Path, *, follow_symlinks: bool = False) -> tuple[int, int
 class SafetensorsFile:
     """One safetensors file: its checked header, and its buffers read as mmap views or fresh copies."""
 
-    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = False,
+                 fd: tuple[int, int] | None = None) -> None:
+        """``fd``: (descriptor, size) of ``path`` opened earlier (this object takes it over), so the
+        file read is the one opened then, whatever has happened to the path since."""
         self.path = Path(path)
-        self._fd, size = open_regular(self.path, follow_symlinks=follow_symlinks)
+        self._fd, size = fd if fd is not None else open_regular(self.path, follow_symlinks=follow_symlinks)
         self._storage: torch.UntypedStorage | None = None
         #: bytes of tensor data read with ``read`` / ``read_box`` (mmap'd views are not counted)
         self.bytes_read = 0

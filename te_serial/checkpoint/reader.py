@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import gc
 import operator
 import os
-import stat
+import resource
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
@@ -68,6 +69,26 @@ _KEY, _WANT_SHAPE_DTYPE = operator.itemgetter(2), operator.itemgetter(3, 4)   # 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")                          # of a header Entry
 
 
+def _open_held(path: Path) -> tuple[int, int]:
+    """(descriptor, size) of a checkpoint file to hold; where the process runs out of descriptors,
+    the soft limit is raised toward the hard one once, else the error says what to raise."""
+    try:
+        return open_regular(path)
+    except CheckpointFileError as e:
+        if not isinstance(e.__context__, OSError) or e.__context__.errno != errno.EMFILE:
+            raise
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard == resource.RLIM_INFINITY else min(hard, max(2 * soft, soft + 1024))
+    if want != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return open_regular(path)
+        except (ValueError, OSError, CheckpointFileError):
+            pass
+    raise CheckpointFileError(f"cannot hold this checkpoint's files open: the process may open {soft} files "
+                              "(raise it with ulimit -n)", file=str(path))
+
+
 class Checkpoint:
     """A lazily opened checkpoint (``te_serial.open(path)``): prototypes now, bytes on demand."""
 
@@ -76,12 +97,11 @@ class Checkpoint:
         self._files: dict[str, SafetensorsFile] = {}   # file → opened, header checked against the manifest
         self._by_file: dict[str, list] | None = None
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
+        self._held: dict[str, tuple[int, int]] = {}  # file → (descriptor, size) opened with the manifest
+        self._closed = False
         if self.path.is_dir():
             self.root = self.path
-            self.manifest = Manifest.from_bytes(self._read_manifest(self.path / MANIFEST_NAME),
-                                                source=str(self.path / MANIFEST_NAME), strict=strict,
-                                                file_bytes=0)  # plus the sizes its files list
-            self._check_file_sizes()
+            self._open_snapshot(strict)
         elif self.path.exists():
             self.root = self.path.parent
             f = SafetensorsFile(self.path, follow_symlinks=True)  # the path the caller named
@@ -150,30 +170,50 @@ class Checkpoint:
     def _file_path(self, name: str) -> Path:
         return self.path if name == SELF_FILE else self.root / name
 
-    def _check_file_sizes(self) -> None:
-        """Every file the manifest lists is a regular file (no symlink) of the listed size."""
+    #: how often open re-reads a manifest that a concurrent save replaced between its reads
+    SNAPSHOT_TRIES = 5
+
+    def _open_snapshot(self, strict: bool) -> None:
+        """Read the manifest and open every file it lists, keeping the descriptors: later reads see
+        this version of the checkpoint whatever saves do to the directory afterwards (a save
+        commits new files, then removes the old ones; an open descriptor keeps its file). A file
+        already removed means a save committed in between: the new manifest is read instead."""
+        path = self.path / MANIFEST_NAME
+        for attempt in range(self.SNAPSHOT_TRIES):
+            data = self._read_manifest(path)
+            self.manifest = Manifest.from_bytes(data, source=str(path), strict=strict,
+                                                file_bytes=0)  # plus the sizes its files list
+            try:
+                self._hold_files()
+                return
+            except CheckpointFileError:
+                self._release_held()
+                if attempt + 1 == self.SNAPSHOT_TRIES or self._read_manifest(path) == data:
+                    raise  # not a concurrent save: the checkpoint itself is damaged
+
+    def _hold_files(self) -> None:
+        """Open every listed file (a regular file, no symlink) and check its size."""
         for name, size in self.manifest.files.items():
             p = self._file_path(name)
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                raise CheckpointFileError("buffer file is missing", file=str(p)) from None
-            except OSError as e:
-                raise CheckpointFileError(f"cannot stat buffer file: {e.strerror or e}", file=str(p)) from None
-            if stat.S_ISLNK(st.st_mode):
-                raise CheckpointFileError("is a symbolic link; te-serial does not follow links inside a "
-                                          "checkpoint", file=str(p))
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointFileError("not a regular file", file=str(p))
-            if st.st_size != size:
-                raise CheckpointFileError(f"file is {st.st_size} bytes, the manifest says {size} (truncated or "
+            fd, got = _open_held(p)
+            self._held[name] = (fd, got)
+            if got != size:
+                raise CheckpointFileError(f"file is {got} bytes, the manifest says {size} (truncated or "
                                           "replaced?)", file=str(p))
+
+    def _release_held(self) -> None:
+        for fd, _ in self._held.values():
+            os.close(fd)
+        self._held.clear()
 
     def _file(self, name: str) -> SafetensorsFile:
         """The file, opened and its header checked against the manifest before its first buffer is read."""
         f = self._files.get(name)
         if f is None:
-            f = SafetensorsFile(self._file_path(name))
+            held = self._held.pop(name, None)
+            if held is None and self._closed:
+                raise CheckpointError("the checkpoint handle is closed", file=str(self._file_path(name)))
+            f = SafetensorsFile(self._file_path(name), fd=held)
             try:
                 if f.size != self.manifest.files[name]:
                     raise CheckpointFileError(f"file is {f.size} bytes, the manifest says {self.manifest.files[name]}",
@@ -206,9 +246,15 @@ class Checkpoint:
                     file=str(f.path), tensor=tname, field=bname)
 
     def close(self) -> None:
+        self._closed = True
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._release_held()
+
+    def __del__(self) -> None:
+        if getattr(self, "_held", None):
+            self._release_held()
 
     def __enter__(self) -> "Checkpoint":
         return self
