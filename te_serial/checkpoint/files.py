@@ -24,6 +24,7 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import json
 import math
@@ -140,6 +141,19 @@ def _is_int(v) -> bool:
 
 
 def read_header(fd: int, path: str, size: int) -> Header:
+    """The checked header of the safetensors file open at ``fd`` (``size`` bytes long); see
+    :func:`_read_header`. Parsing makes several objects per entry at once: a cyclic-GC pass in the
+    middle of it (likelier the more objects the process holds) would cost more than the parse."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _read_header(fd, path, size)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read_header(fd: int, path: str, size: int) -> Header:
     """The checked header of the safetensors file open at ``fd`` (``size`` bytes long).
 
     Refused with :class:`CheckpointFileError` naming the file and the entry: a header length

@@ -449,6 +449,15 @@ class Manifest:
                 gc.enable()
 
 
+def _small_ints(rows: list[list]) -> bytes | None:
+    """The values of ``rows`` as bytes, where every one is an int in [0, 256) (file and prototype
+    indices, nearly always): one C-level pass that also proves them ints; None otherwise."""
+    try:
+        return bytes(itertools.chain.from_iterable(rows))
+    except (TypeError, ValueError):
+        return None
+
+
 def _buffer_like_names(names: list[str], buffer_names: frozenset[str]) -> list[int]:
     """Indices of the names ``<prefix>.<suffix>`` whose suffix starts with ``_`` or is a buffer
     name: one regular-expression pass over the joined names (a name holding a newline, which
@@ -643,9 +652,12 @@ class _Decoder:
     def rows_fit(proto_index: list, file_index: list, checksums: list | None, nbuf: list, n_files: int) -> bool:
         """Every tensor's files (and checksums) row has its prototype's buffer count, and every
         file index names a listed file: the per-tensor loop's checks, a column at a time."""
-        want = [nbuf[p] for p in proto_index]
+        want = list(map(nbuf.__getitem__, proto_index))
         if list(map(len, file_index)) != want or (checksums is not None and list(map(len, checksums)) != want):
             return False
+        codes = _small_ints(file_index)
+        if codes is not None:
+            return max(codes, default=-1) < n_files
         return max(itertools.chain.from_iterable(file_index), default=-1) < n_files
 
     def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
@@ -689,7 +701,7 @@ class _Decoder:
         chain = itertools.chain.from_iterable
         for column, rows in (("protos", [cols["protos"]]), ("files", cols["files"]),
                              ("checksums", cols.get("checksums") or [])):
-            if not ints(chain(rows)):  # slow path only on failure: name the tensor
+            if _small_ints(rows) is None and not ints(chain(rows)):  # slow path on failure: name the tensor
                 for i, row in enumerate(cols[column]):
                     if not ints(row if isinstance(row, list) else [row]):
                         self.fail("holds a number that is not an integer", field=f"tensors/{column}",
