@@ -58,6 +58,16 @@ class CheckpointFileError(CheckpointError):
     """A buffer file is missing, truncated, outside the checkpoint, or not valid safetensors."""
 
 
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written: not enough space (found before the first byte, or
+    during a write), no permission, a read-only file system. It names the file and keeps the
+    operating system's error (``__cause__``, ``errno``); an ``OSError`` too, as it always was.
+    Nothing of the failed save is left behind, and the previous checkpoint is intact."""
+
+    def __str__(self) -> str:  # the message that names the file, not OSError's "[Errno n] ..."
+        return str(self.args[0]) if self.args else ""
+
+
 class TensorMismatchError(CheckpointError):
     """A stored buffer disagrees with its prototype or with the file (shape, dtype, size, key)."""
 

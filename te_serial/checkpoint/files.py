@@ -23,6 +23,7 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import itertools
@@ -37,14 +38,14 @@ import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy
 import torch
 import xxhash
 
 from ..dtypes import dtype_from_code, safetensors_code
-from ..errors import CheckpointError, CheckpointFileError
+from ..errors import CheckpointError, CheckpointFileError, CheckpointWriteError
 from .direct_io import use_direct_io
 
 TMP_PREFIX = ".te_serial-tmp-"
@@ -73,6 +74,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
+    with writing(path):
+        _fsync_path(path, directory)
+
+
+def _fsync_path(path: Path, directory: bool) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
@@ -80,8 +86,73 @@ def fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+_WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                 errno.EROFS: "read-only file system"}
+
+
+def write_error(err: OSError, path: Path | str) -> CheckpointWriteError:
+    """te-serial's error for an operating-system error while writing ``path`` (``err`` chained)."""
+    what = _WRITE_ERRORS.get(err.errno, f"cannot write: {err.strerror or err}")
+    out = CheckpointWriteError(what, file=str(getattr(err, "filename", None) or path))
+    out.errno, out.strerror = err.errno, err.strerror
+    return out
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """Operating-system errors inside become :class:`CheckpointWriteError` naming ``path``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise write_error(e, path) from e
+
+
+#: ``TE_SERIAL_SPACE_CHECK=0`` skips the free-space check a save makes before its first byte
+SPACE_CHECK_ENV = "TE_SERIAL_SPACE_CHECK"
+#: what a save wants free beyond its own bytes (file-system metadata): this, plus 1 % of them
+SPACE_MARGIN_BYTES = 256 << 10
+
+
+def check_free_space(root: Path, nbytes: int) -> None:
+    """Refuse a save of ``nbytes`` into ``root`` that the file system cannot hold, before any byte
+    is written. The previous checkpoint's files stay until the new one commits, so they count as
+    used. A file system that gives no answer is not refused (its writes will say)."""
+    if os.environ.get(SPACE_CHECK_ENV, "1").strip() == "0":
+        return
+    try:
+        st = os.statvfs(root)
+    except (OSError, AttributeError):
+        return
+    free = st.f_bavail * st.f_frsize
+    need = nbytes + SPACE_MARGIN_BYTES + nbytes // 100
+    if need > free:
+        err = CheckpointWriteError(
+            f"not enough space: the save needs {need:,} bytes ({nbytes:,} of data and a margin), the file "
+            f"system has {free:,} free (free some, write elsewhere, or set {SPACE_CHECK_ENV}=0 to try anyway)",
+            file=str(root))
+        err.errno = errno.ENOSPC
+        raise err
+
+
+def discard(path: Path) -> None:
+    """Remove a file of a failed write, best effort: the failure being reported (a read-only or
+    vanished file system, say) may forbid this too, and must not be masked by it."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary name, fsync'd, then renamed into place."""
+    with writing(path):
+        _atomic_write(path, data)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{path.name}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -92,7 +163,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
 
 
@@ -290,7 +361,7 @@ def open_regular(path: Path, *, follow_symlinks: bool = False) -> tuple[int, int
     except FileNotFoundError:
         raise CheckpointFileError("file is missing", file=str(path)) from None
     except OSError as e:
-        raise CheckpointFileError(f"cannot open: {e.strerror or e}", file=str(path)) from None
+        raise CheckpointFileError(f"cannot open: {e.strerror or e}", file=str(path)) from e
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -645,7 +716,7 @@ class _PlannedFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.tmp.unlink(missing_ok=True)
+        discard(self.tmp)
 
 
 class ShardSet:
@@ -680,6 +751,7 @@ class ShardSet:
         n = len(groups)
         finals = [single] if single is not None else [root / shard_name(i, n) for i in range(n)]
         total = sum(math.prod(shape) * dtype.itemsize for items in groups for _, shape, dtype in items)
+        check_free_space(root, total + sum(1024 + 160 * len(items) for items in groups))  # data and headers
         direct = use_direct_io(root, total)
         self.files = [_PlannedFile(final, items, metadata, reserve, direct) for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
@@ -713,9 +785,10 @@ class ShardSet:
             if self._hasher is None:  # xxhash and pwrite both release the GIL: hash while writing
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
             digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
-        f.write(key, data)
-        if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
-            f.finish()
+        with writing(f.final):
+            f.write(key, data)
+            if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
+                f.finish()
         return digest.result() if digest is not None else None
 
     def finish(self, metadata: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -723,12 +796,17 @@ class ShardSet:
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
-        return {f.final.name: f.finish(metadata) for f in self.files}
+        sizes = {}
+        for f in self.files:
+            with writing(f.final):
+                sizes[f.final.name] = f.finish(metadata)
+        return sizes
 
     def commit(self) -> None:
         """Rename every file to its final name (invisible to readers until a manifest names them)."""
         for f in self.files:
-            os.replace(f.tmp, f.final)
+            with writing(f.final):
+                os.replace(f.tmp, f.final)
             self._renamed.append(f.final)
 
     def abort(self) -> None:
@@ -739,7 +817,7 @@ class ShardSet:
         for f in self.files:
             f.abort()
         for final in self._renamed:
-            final.unlink(missing_ok=True)
+            discard(final)
         self._renamed = []
 
 

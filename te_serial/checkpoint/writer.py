@@ -29,7 +29,7 @@ from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.tensors import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
 from ..te.interop import from_te, is_te_tensor
-from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path
+from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path, writing
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, BufferEntry, Manifest,
                        TensorEntry, buffer_key, expected_buffers)
 from .tree import TensorRef, flatten_tree
@@ -137,14 +137,16 @@ class CheckpointWriter:
             if self.path.is_dir():
                 raise CheckpointError("checkpoint path ends in .safetensors but is a directory", file=str(self.path))
             self.root = self.path.parent
-            self.root.mkdir(parents=True, exist_ok=True)
+            with writing(self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
             self._files = ShardSet(self.root, layout, limit=limit, shard_name=None, single=self.path,
                                    reserve=self._header_reserve())
         else:
             if self.path.exists() and not self.path.is_dir():
                 raise CheckpointError("checkpoint path exists and is not a directory", file=str(self.path))
             self.root = self.path
-            self.root.mkdir(parents=True, exist_ok=True)
+            with writing(self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
             save_id = secrets.token_hex(4)
             self._files = ShardSet(self.root, layout, limit=limit, metadata={"format": "pt"},
                                    shard_name=lambda i, n: f"model-{save_id}-{i + 1:05d}-of-{n:05d}.safetensors")

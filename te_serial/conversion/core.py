@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
-from ..checkpoint.files import ShardSet, atomic_write, fsync_path
+from ..checkpoint.files import ShardSet, atomic_write, fsync_path, writing
 from ..checkpoint.writer import CheckpointWriter, parse_size
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
@@ -373,7 +373,8 @@ class _Output:
         self.single = dst.suffix == ".safetensors"
         self.root = dst.parent if self.single else dst
         self.old = self._existing()
-        self.root.mkdir(parents=True, exist_ok=True)
+        with writing(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
         self.writer: CheckpointWriter | None = None
         self.files: ShardSet | None = None
         self.sidecar: dict[str, dict] = {}
@@ -427,7 +428,8 @@ class _Output:
             extra = dict(extra or {})
             for p in aux:
                 if p.name != CONFIG_NAME and p.name not in extra:
-                    shutil.copyfile(p, self.root / p.name)
+                    with writing(self.root / p.name):
+                        shutil.copyfile(p, self.root / p.name)
                     written.append(p.name)
             for name, doc in extra.items():
                 data = doc if isinstance(doc, bytes) else (json.dumps(doc, indent=2) + "\n").encode()

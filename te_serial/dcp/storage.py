@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..checkpoint.files import ShardSet, atomic_write, clean_directory, fsync_path
+from ..checkpoint.files import ShardSet, atomic_write, clean_directory, fsync_path, writing
 from ..checkpoint.manifest import MANIFEST_NAME, BufferEntry, Manifest, TensorEntry, buffer_key, chunk_key, \
     expected_buffers
 from ..checkpoint.reader import Checkpoint
@@ -82,7 +82,8 @@ class StorageWriter(_dcp.StorageWriter):
         self.is_coordinator = is_coordinator
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointError("checkpoint path exists and is not a directory", file=str(self.path))
-        self.path.mkdir(parents=True, exist_ok=True)
+        with writing(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
         _drop_cached_shards(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
