@@ -60,7 +60,7 @@ CONFIG_NAME = "config.json"
 #: every layout name ``detect_layout`` gives: te-serial, plain safetensors, and each serving layout's
 #: (one per weight scheme it offers, and its name for a checkpoint mixing them)
 LAYOUTS = ("te-serial", "safetensors", *dict.fromkeys(
-    n for lay in LAYOUT_FAMILIES.values() for n in (*map(lay.layout_name, lay.offers), lay.mixed_name) if n))
+    n for lay in LAYOUT_FAMILIES.values() for n in (*map(lay.layout_name, lay.offers), lay.source_name) if n))
 #: te-serial checkpoint metadata key holding the activation amax of each layer (JSON), kept so a
 #: later export can still write static activation scales
 ACT_AMAX_KEY = "te_serial.activation_amax"
@@ -453,7 +453,7 @@ class SafetensorsSource(Source):
         if layout is None or not quantized:
             return "safetensors"
         names = {layout.layout_name(s) for s in quantized}
-        return names.pop() if len(names) == 1 else layout.mixed_name
+        return names.pop() if len(names) == 1 else layout.source_name
 
     # -- loading -------------------------------------------------------------------------------
     def read(self, key: str) -> torch.Tensor:

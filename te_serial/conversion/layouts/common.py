@@ -69,6 +69,8 @@ class ExternalLayout:
     extra_file_names: tuple[str, ...] = ()
     #: the report's name for an export holding several weight schemes ("": the layout has none)
     mixed_name: str = ""
+    #: ``detect_layout``'s name for a checkpoint of this layout holding several weight schemes
+    source_name: str = ""
 
     # --- naming ------------------------------------------------------------------------------
     @property

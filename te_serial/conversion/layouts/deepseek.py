@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class DeepSeek(ExternalLayout):
     family = "deepseek"
-    mixed_name = "block_fp8_mixed"
+    source_name = "block_fp8_mixed"
     offers = {
         "fp8_block": Offer("deepseek_fp8", "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 "
                            "block", {"dynamic": "dynamic per-token-group FP8"}, aliases=("deepseek",)),

@@ -87,6 +87,7 @@ class ModelOpt(ExternalLayout):
     }
     extra_file_names = (HF_QUANT_CONFIG,)
     mixed_name = "modelopt_mixed"
+    source_name = "modelopt"
     shared_scales = {"nvfp4": ("weight_scale_2", "input_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
                      "mxfp8": ("input_scale",), "fp8_block": ("input_scale",)}
 
