@@ -14,11 +14,27 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .dtypes import dtype_from_name, dtype_name
-from .errors import FormatError
+from .errors import FormatError, ShapeError
 from .formats.protocol import BufferSpec, StorageMeta
 from .formats.tensors import QuantizedTensorStorage
 from .formats.base import Quantizer
 from .te.interop import from_te, is_te_tensor
+
+
+#: the most bytes torch can address in one tensor (its sizes and strides are int64)
+MAX_TENSOR_BYTES = 2 ** 63 - 1
+
+
+def addressable(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether torch can lay out a contiguous tensor of ``shape``: its storage size, counting each
+    dimension as at least 1 as torch's stride calculation does, fits in int64. A zero dimension
+    beside huge ones holds no bytes, yet overflows that calculation."""
+    total = itemsize
+    for d in shape:
+        total *= max(d, 1)
+        if total > MAX_TENSOR_BYTES:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +49,9 @@ class TensorProto:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not addressable(self.shape, self.dtype.itemsize):
+            raise ShapeError(f"shape {list(self.shape)} of {dtype_name(self.dtype)} is larger than torch can lay out "
+                             "(storage size over 2^63 bytes, each dimension counted as at least 1)")
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
         if self.quantizer is not None:

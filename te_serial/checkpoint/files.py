@@ -46,6 +46,7 @@ import xxhash
 
 from ..dtypes import dtype_from_code, safetensors_code
 from ..errors import CheckpointError, CheckpointFileError, CheckpointWriteError
+from ..proto import addressable
 from .direct_io import use_direct_io
 
 TMP_PREFIX = ".te_serial-tmp-"
@@ -290,6 +291,8 @@ def _entries_checked_by_columns(header: dict, data_len: int) -> dict[str, Entry]
     dims = list(itertools.chain.from_iterable(shapes))
     if not _ints(dims) or (dims and (min(dims) < 0 or max(dims) > data_len)):  # products stay small
         return None
+    if 0 in dims and not all(map(addressable, shapes, map(operator.attrgetter("itemsize"), dtypes))):
+        return None
     starts, ends = list(map(_first, offsets)), list(map(_second, offsets))
     if not (_ints(starts) and _ints(ends)) or min(starts) < 0 or max(ends) > data_len:
         return None
@@ -317,6 +320,8 @@ def _entries_checked_one_by_one(header: dict, data_len: int, fail: Callable) -> 
             fail("safetensors entry shape must be a list of at most 64 non-negative integers", key)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
             fail("safetensors entry data_offsets must be two integers", key)
+        if not addressable(shape, dtype.itemsize):
+            fail(f"safetensors entry shape {shape} is larger than torch can lay out", key)
         start, end = offsets
         if not 0 <= start <= end <= data_len:
             fail(f"safetensors entry data_offsets {offsets} lie outside the {data_len}-byte data section", key)

@@ -34,7 +34,7 @@ from ..errors import ManifestError, TeSerialError, VersionError
 from ..formats.protocol import QUANTIZER_REGISTRY, STORAGE_REGISTRY, resolve_storage
 from ..formats.base import Quantizer
 from ..formats.slicing import region_views
-from ..proto import TensorProto
+from ..proto import TensorProto, addressable
 from . import tree as tree_mod
 
 FORMAT = "te-serial"
@@ -736,6 +736,9 @@ class _Decoder:
                     if resolve_storage(storage) not in (q.tensor_class, q.storage_class):
                         raise ManifestError(f"storage {storage!r} does not hold {q.kind} tensors")
                 want = expected_buffers(proto)
+                for b, (s, dt) in want.items():
+                    if not addressable(s, dt.itemsize):
+                        raise ManifestError(f"buffer {b} of shape {list(s)} is larger than torch can lay out")
                 if self.file_bytes is not None:
                     for b, (s, dt) in want.items():
                         if math.prod(s) * dt.itemsize > self.file_bytes:
