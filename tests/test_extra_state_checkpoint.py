@@ -64,3 +64,25 @@ def test_decoded_state_encodes_back_to_te_bytes():
     state = decode_te_extra_state(torch.frombuffer(bytearray(pickle.dumps(_delayed_state())), dtype=torch.uint8))
     again = encode_te_extra_state(state)
     assert again.dtype == torch.uint8 and decode_te_extra_state(again)["recipe"] == state["recipe"]
+
+
+def test_dcp_load_fills_te_extra_state(tmp_path, monkeypatch):
+    """``te_serial.dcp.load`` gives a TE module's delayed-scaling ``_extra_state`` back as TE's own
+    bytes, as ``load_quantized`` does: the scales and amax histories read, the recipe rebuilt,
+    nothing unpickled; a stateless (empty) entry stays empty."""
+    import te_serial.dcp as tdcp
+    payload = torch.frombuffer(bytearray(pickle.dumps(_delayed_state())), dtype=torch.uint8)
+    sd = {"fc1.weight": ts.Float8Quantizer(2.0, 3.0)(torch.randn(16, 32)), "fc1._extra_state": payload,
+          "fc2._extra_state": torch.empty(0, dtype=torch.uint8)}
+    tdcp.save(sd, tmp_path / "dcp")
+    dest = {"fc1.weight": ts.Float8Quantizer(2.0, 3.0)(torch.zeros(16, 32)),
+            "fc1._extra_state": torch.empty(0, dtype=torch.uint8), "fc2._extra_state": torch.empty(0, dtype=torch.uint8)}
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads called"))
+    tdcp.load(dest, tmp_path / "dcp")
+    monkeypatch.undo()
+    got, want = decode_te_extra_state(dest["fc1._extra_state"]), decode_te_extra_state(payload)
+    assert got["recipe"] == want["recipe"] and got["extra_fp8_variables"] == want["extra_fp8_variables"]
+    for k in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert torch.equal(got[k], want[k])
+    assert dest["fc2._extra_state"].numel() == 0
+    assert torch.equal(dest["fc1.weight"]._data, sd["fc1.weight"]._data)

@@ -120,8 +120,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group=N
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            _dcp.load(state_dict, storage_reader=reader, planner=LoadPlanner(allow_partial_load=allow_partial_load),
+            planner = LoadPlanner(allow_partial_load=allow_partial_load)
+            _dcp.load(state_dict, storage_reader=reader, planner=planner,
                       process_group=process_group, no_dist=_no_dist(process_group))
+        planner.finish_extra_states(state_dict)
     except CheckpointException as e:
         raise _unwrap(e) from e
     except TeSerialError:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items, cr
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from ..checkpoint.manifest import buffer_key
-from ..checkpoint.tree import flatten_tree
+from ..checkpoint.tree import TEExtraState, extra_state_refs, flatten_tree, rebuild_tree
 from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.slicing import region_views
 from ..proto import TensorProto
@@ -140,10 +140,16 @@ class LoadPlanner(DefaultLoadPlanner):
         self._dest: dict[str, list[torch.Tensor]] = {}
         self._items: list[ReadItem] = []
         missing = []
+        tree = info["tree"]
+        self._extra: list[tuple[tuple, TEExtraState, dict[str, torch.Tensor]]] = []
         for path, value in tensors:
             name = _name(path)
             saved = protos.get(name)
             if saved is None:
+                found = _tree_value(tree, path) if tree is not None else _MISSING
+                if type(found) is TEExtraState:  # stored decoded: its tensors now, TE's bytes after
+                    self._plan_extra_state(path, found, protos)
+                    continue
                 missing.append(name)
                 continue
             loc = _local_view(name, value, loading=True)
@@ -155,12 +161,11 @@ class LoadPlanner(DefaultLoadPlanner):
                 raise CheckpointError(f"the checkpoint holds {_describe(saved)}, the state dict {_describe(loc.proto)}",
                                       tensor=name)
             if loc.proto.quantizer is None:
-                self._plan_plain(name, value, loc)
+                self._plan_plain(name, value)
             else:
                 self._plan_quantized(loc)
         if missing and not self.allow_partial_load:
             raise CheckpointError(f"{len(missing)} state-dict tensors are not in the checkpoint, e.g. {missing[:5]}")
-        tree = info["tree"]
         for path in values:
             found = _tree_value(tree, path) if tree is not None else _MISSING
             if found is _MISSING:
@@ -170,13 +175,34 @@ class LoadPlanner(DefaultLoadPlanner):
                 continue
             _set_at(state_dict, path, _plain(found, _name(path)))
 
+    def _plan_extra_state(self, path: tuple, node: TEExtraState, protos: dict[str, TensorProto]) -> None:
+        """A TE module's ``_extra_state``: read the tensors its decoded state refers to (scales,
+        amax histories) into fresh CPU tensors; :meth:`finish_extra_states` makes TE's bytes."""
+        loaded = {}
+        for ref in sorted(extra_state_refs(node)):
+            proto = protos.get(ref)
+            if proto is None or proto.quantizer is not None:
+                raise CheckpointError("TE extra state refers to a tensor the checkpoint does not hold as plain",
+                                      tensor=ref)
+            loaded[ref] = torch.empty(proto.shape, dtype=proto.dtype)
+            self._plan_plain(ref, loaded[ref])
+        self._extra.append((path, node, loaded))
+
+    def finish_extra_states(self, state_dict: dict) -> None:
+        """After the reads: each planned ``_extra_state`` entry of ``state_dict`` (the caller's:
+        DCP plans on a copy of its top level) becomes TE's own bytes, as ``load_quantized`` gives
+        them, encoded from the state read, never unpickled. ``te_serial.dcp.load`` calls this."""
+        for path, node, loaded in self._extra:
+            _set_at(state_dict, path, rebuild_tree(node, loaded))
+        self._extra = []
+
     def _metadata(self, fqn: str, name: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"buffer {fqn!r} is not in the checkpoint", tensor=name)
         return md
 
-    def _plan_plain(self, name: str, value: Any, loc: _Local) -> None:
+    def _plan_plain(self, name: str, value: Any) -> None:
         md = self._metadata(name, name)
         if hasattr(value, "__create_chunk_list__"):
             chunks = value.__create_chunk_list__()
