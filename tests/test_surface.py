@@ -26,3 +26,27 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 - our own documentation
     assert ns["rows"].shape == (128, 256) and ns["proto"].shape == (512, 256)
     assert (tmp_path / "served" / "config.json").is_file()
+
+
+def test_the_public_modules_are_the_ones_the_readme_lists():
+    """``__all__`` only where a module is public, and every public module is the README's list."""
+    import importlib
+    import pkgutil
+    import re
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    sentence = re.search(r"The public modules are (.*?)\.\n\n", text, re.S).group(1)
+    documented = set(re.findall(r"`(te_serial(?:\.\w+)*)`", sentence))
+    declaring = {"te_serial"}
+    for info in pkgutil.walk_packages(ts.__path__, "te_serial."):
+        if info.name.startswith("te_serial.native") or ".tests" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        if "__all__" in vars(module):
+            declaring.add(info.name)
+    assert declaring <= documented, declaring - documented
+    for name in documented:
+        importlib.import_module(name)
+    from te_serial import errors
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    assert all(issubclass(c, errors.TeSerialError) for c in classes)  # one hierarchy

@@ -132,9 +132,3 @@ from .encode import encode_te_extra_state, recipe_from_plain, recipe_to_plain
 from .errors import TEUnavailableError, UnsafeExtraStateError
 from .limits import MAX_PAYLOAD_WORK, MAX_ZIP_ENTRIES, ExtraStateBudget
 from .schema import DELAYED_SCALING_KEYS, RECIPE_MODULE
-
-__all__ = [
-    "DELAYED_SCALING_KEYS", "MAX_PAYLOAD_WORK", "MAX_ZIP_ENTRIES", "RECIPE_MODULE", "ExtraStateBudget",
-    "TEUnavailableError", "UnsafeExtraStateError", "check_extra_state", "decode_te_extra_state",
-    "encode_te_extra_state", "is_stateless_extra_state", "recipe_from_plain", "recipe_to_plain",
-]
