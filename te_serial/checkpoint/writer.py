@@ -255,11 +255,11 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
     A model with a Hugging Face config (``model.config.to_dict()``) has it recorded as JSON text
     under the manifest metadata key ``hf_config`` (plain data, never pickle) and, in a directory,
     also written as ``config.json`` beside the manifest, so ``te_serial.convert`` of the checkpoint
-    to ``bf16`` or a serving layout writes a complete Hugging Face directory.
+    to ``bf16`` or a serving layout writes a complete Hugging Face directory. When the model holds
+    te-serial quantized tensors, that config carries ``quantization_config`` (``quant_method``
+    ``te_serial``: :func:`quantization_config`) and the directory also gets the weight index
+    :data:`HF_INDEX_NAME`, through which ``from_pretrained`` reads it once ``te_serial.hf`` is imported.
     """
-    config = _hf_config(obj)
-    if config is not None and not (metadata and HF_CONFIG_KEY in metadata):
-        metadata = {**(metadata or {}), HF_CONFIG_KEY: config}
     tree, tensors = flatten_tree(obj)
     protos: dict[str, TensorProto] = {}
     aliases: dict[str, str] = {}
@@ -272,22 +272,76 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
             tied = first.setdefault((proto, ident), name)
             if tied != name:
                 aliases[name] = tied
+    config = _hf_config(obj, protos)
+    if config is not None and not (metadata and HF_CONFIG_KEY in metadata):
+        metadata = {**(metadata or {}), HF_CONFIG_KEY: config}
     with CheckpointWriter(path, protos, aliases=aliases, tree=tree, max_shard_size=max_shard_size,
                           metadata=metadata, checksums=checksums) as writer:
         for name, t in tensors.items():
             if name not in aliases:
                 writer.write(name, t)
     if config is not None and not writer.single:  # after the commit: config.json as HF directories hold it
-        atomic_write(writer.root / "config.json", (json.dumps(json.loads(config), indent=2) + "\n").encode())
+        data = json.loads(config)
+        atomic_write(writer.root / "config.json", (json.dumps(data, indent=2) + "\n").encode())
+        if (data.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+            atomic_write(writer.root / HF_INDEX_NAME, _hf_index(writer.manifest))
     return writer.manifest
 
 
 #: manifest metadata key holding a saved model's Hugging Face config (JSON text)
 HF_CONFIG_KEY = "hf_config"
+#: ``quantization_config["quant_method"]`` of a model holding te-serial quantized tensors (``te_serial.hf``)
+QUANT_METHOD = "te_serial"
+#: the weight index (Hugging Face's sharded-index JSON) of a directory holding te-serial quantized
+#: tensors. Not ``model.safetensors.index.json``: transformers without te-serial's quantizer then
+#: finds no weights and says so, instead of loading the buffers as unexpected keys and random weights
+HF_INDEX_NAME = "te_serial.safetensors.index.json"
 
 
-def _hf_config(obj: Any) -> str | None:
-    """The JSON text of ``obj.config`` for a model that has a Hugging Face-style config, else None."""
+def _recipe_of(q: Any, uniform_usages: bool, cache: dict) -> str | dict:
+    """A module's entry in ``quantization_config["modules"]``: the recipe name that makes quantizer
+    ``q`` (with its usages, where all modules share them), else the quantizer's own fields."""
+    key = (q, uniform_usages)
+    if key not in cache:
+        from ..recipes import RECIPES, recipe_quantizer
+        names = [n for n in RECIPES if recipe_quantizer(n, rowwise=q.rowwise, columnwise=q.columnwise) == q]
+        cache[key] = names[0] if names and uniform_usages else q.to_dict()
+    return cache[key]
+
+
+def quantization_config(protos: Mapping[str, TensorProto]) -> dict | None:
+    """``config.json``'s ``quantization_config`` for a model whose tensors have these prototypes (None
+    when none is quantized): ``quant_method`` ``te_serial``, the ``format_version`` written, per
+    quantized module (a tensor's name less ``.weight``) its ``recipe`` name — or its quantizer's fields
+    where no recipe makes it or the modules' usages differ — and ``recipe`` / ``usages`` where every
+    module shares them. The manifest's prototypes stay the authority; this says what the directory holds."""
+    from .manifest import VERSION
+    quantized = {n: p.quantizer for n, p in protos.items() if p.quantizer is not None}
+    if not quantized:
+        return None
+    usages = {tuple(u for u in ("rowwise", "columnwise") if getattr(q, u)) for q in quantized.values()}
+    cache: dict = {}
+    modules = {(n[: -len(".weight")] if n.endswith(".weight") else n): _recipe_of(q, len(usages) == 1, cache)
+               for n, q in quantized.items()}
+    recipes = {json.dumps(v, sort_keys=True) for v in modules.values()}
+    recipe = next(iter(modules.values())) if len(recipes) == 1 else None
+    return {"quant_method": QUANT_METHOD, "format_version": f"{VERSION[0]}.{VERSION[1]}",
+            "recipe": recipe if isinstance(recipe, str) else None, "exclude": None,
+            "usages": list(next(iter(usages))) if len(usages) == 1 else None, "fused": None, "modules": modules}
+
+
+def _hf_index(manifest: Manifest) -> bytes:
+    """:data:`HF_INDEX_NAME`: every stored key → its shard, as Hugging Face's sharded index lists them."""
+    weight_map = {key: file for file, rows in manifest.buffers_by_file().items() for _, _, key, _, _ in rows}
+    index = {"metadata": {"total_size": manifest.nbytes(), "format": "te-serial"},
+             "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def _hf_config(obj: Any, protos: Mapping[str, TensorProto] | None = None) -> str | None:
+    """The JSON text of ``obj.config`` for a model that has a Hugging Face-style config, else None;
+    its ``quantization_config`` is the one :func:`quantization_config` gives ``protos`` (a te-serial
+    one the model's config carried, e.g. from ``from_pretrained``, is replaced or dropped)."""
     config = getattr(obj, "config", None) if isinstance(obj, torch.nn.Module) else None
     if config is None or not callable(getattr(config, "to_dict", None)):
         return None
@@ -297,4 +351,11 @@ def _hf_config(obj: Any) -> str | None:
         data = json.loads(json.dumps(config.to_dict(), default=str))
     if not data.get("architectures"):
         data["architectures"] = [type(obj).__name__]
+    qc = quantization_config(protos) if protos is not None else None
+    if qc is not None:
+        data["quantization_config"] = qc
+    elif (data.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+        del data["quantization_config"]
+    if data.get("transformers_weights") == HF_INDEX_NAME:  # te_serial.hf's pointer while loading
+        del data["transformers_weights"]
     return json.dumps(data, sort_keys=True)

@@ -1,0 +1,455 @@
+"""Hugging Face ``from_pretrained`` for te-serial: ``import te_serial.hf`` registers the ``te_serial``
+quantization method with transformers (5.x), so that
+
+```python
+import te_serial.hf
+from te_serial.hf import TeSerialConfig
+model = AutoModelForCausalLM.from_pretrained("llama-mxfp8/")            # a te-serial checkpoint directory
+model = AutoModelForCausalLM.from_pretrained("llama-bf16/", quantization_config=TeSerialConfig(recipe="nvfp4"))
+```
+
+load through transformers' own loop, with the bytes :func:`te_serial.load_into` and
+:func:`te_serial.quantize_model` give. Importing ``te_serial.hf`` is what registers; without it,
+transformers logs "Unknown quantization type, got te_serial" and then fails to find
+``model.safetensors`` (a te-serial directory's weight index has its own name, :data:`HF_INDEX_NAME`),
+rather than loading the buffers as unexpected keys beside randomly initialized weights.
+
+How a te-serial checkpoint loads (``TeSerialHfQuantizer``, pre-quantized):
+
+* ``update_attn_implementation(config)`` — the one hook that sees the config before transformers
+  looks for weight files — points ``config.transformers_weights`` to :data:`HF_INDEX_NAME`, which
+  ``save_quantized`` writes beside ``config.json`` (the pointer is removed from ``model.config``
+  again before any weight is read);
+* ``_process_model_before_weight_loading(model, checkpoint_files=...)`` opens the checkpoint once
+  with ``te_serial.open`` (manifest, schema, every shard's header checked against it: an unknown
+  quantizer kind or a newer format is te-serial's ``ManifestError`` / ``VersionError`` here, before
+  anything is read), and derives from the manifest's prototypes which safetensors keys are whose;
+* ``serialized_names`` makes transformers collect, for each quantized weight, the keys of its
+  small buffers (scales, amax: every buffer but the data) into one ``WeightConverter`` whose
+  deserialize op, ``TeSerialDeserialize``, returns ``Checkpoint.get(name, device=...)``: the tensor
+  te-serial's own reader builds, as ``load_into`` does (on CPU the file's mmap'd pages), with the
+  model's dtype as its nominal dtype and the saved ``requires_grad``;
+* the data buffers — nearly all the bytes — match no converter, so transformers never materializes
+  them (it would copy them, on its worker threads, before any op runs: ops only ever see
+  materialized tensors); ``model._keys_to_ignore_on_load_unexpected`` keeps them out of the load
+  report. Only the small buffers are read twice (by transformers, then by te-serial).
+
+Every parameter still passes through transformers' loop (``set_param_for_module``), so it is marked
+loaded and never re-initialized; plain tensors (norms, embeddings, heads) load as transformers loads
+them, non-persistent buffers (rotary ``inv_freq``) are initialized by transformers, tied weights are
+tied by transformers. Handing the buffers transformers materialized to te-serial to assemble would be
+simpler, but every byte would then go through transformers' copy (a copy per buffer, no mmap on CPU)
+and not through te-serial's reader; this way the data is read once, by te-serial.
+
+Quantize on load (``from_pretrained(bf16_dir, quantization_config=TeSerialConfig(recipe=...))``):
+``param_needs_quantization`` holds exactly the weights :func:`te_serial.quantize_model` quantizes —
+``nn.Linear`` weights outside :func:`te_serial.precision.stays_high_precision` — less the modules the
+config's ``exclude`` globs name; a weight the recipe's shape rule refuses stays in high precision with
+quantize_model's warning naming it. ``TeSerialQuantize`` quantizes each weight as transformers hands
+it over (one tensor at a time). For a recipe whose scale is tensor-wide (per-tensor FP8 current
+scaling, NVFP4's global scale), the members of a fused group (q/k/v, gate/up: :mod:`te_serial.fusion`)
+take quantize_model's shared amax: the first member quantized reads its group partners from the
+checkpoint files (cast to the load dtype, as transformers casts them) and computes it with
+quantize_model's own code; the partners then use it, so a group costs one extra read of its members.
+
+Not in this module yet: ``save_pretrained`` (``te_serial.save_quantized(model, dir)`` writes a
+directory ``from_pretrained`` loads; ``model.save_pretrained`` names it), grouped (MoE) tensors,
+checkpoint keys the model's conversion mapping renames, hub repositories (the directory must be local:
+``te_serial.msgpack`` is not among the files transformers downloads) and disk offload.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
+                                              register_quantization_config, register_quantizer)
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+except ImportError as e:  # transformers is optional: only this module needs it
+    raise ImportError("te_serial.hf needs transformers 5 or later (pip install 'te-serial[hf]')") from e
+
+from . import fusion
+from .checkpoint.manifest import MANIFEST_NAME, VERSION, expected_buffers
+from .checkpoint.reader import Checkpoint
+from .checkpoint.writer import HF_INDEX_NAME, QUANT_METHOD, quantization_config
+from .errors import CheckpointError, ConversionError, FormatError, ShapeError, UnsupportedOperationError
+from .formats.tensors import QuantizedTensorStorage
+from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal
+from .precision import stays_high_precision
+from .proto import to_tensor_proto
+from .recipes import RECIPES, recipe_quantizer
+
+__all__ = ["TeSerialConfig", "TeSerialHfQuantizer", "QUANT_METHOD", "HF_INDEX_NAME"]
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"te_serial.hf needs transformers 5 or later, found {transformers.__version__}")
+
+_USAGES = ("rowwise", "columnwise")
+_FIELDS = ("recipe", "exclude", "usages", "fused", "format_version", "modules")
+
+
+class TeSerialConfig(QuantizationConfigMixin):
+    """``quantization_config`` of the ``te_serial`` method (what ``config.json`` holds).
+
+    For quantize on load: ``recipe`` (a name in :data:`te_serial.recipes.RECIPES`); ``exclude``
+    (module-name globs kept in high precision, in addition to te-serial's one rule,
+    :func:`te_serial.precision.stays_high_precision`); ``usages`` (``["rowwise"]`` for inference,
+    ``["rowwise", "columnwise"]`` for training; None: as ``quantize_model`` decides, columnwise under
+    grad mode); ``fused`` (as ``quantize_model(fused=...)``: ``"auto"``, ``"off"`` or groups of module
+    names). A checkpoint ``save_quantized`` wrote also records ``format_version`` and, per quantized
+    module, its recipe name (or its quantizer's fields) in ``modules``; its manifest stays the
+    authority, and ``from_pretrained`` refuses a ``config.json`` whose ``modules`` disagree with it.
+    """
+
+    def __init__(self, recipe: str | None = None, exclude: Sequence[str] | None = None,
+                 usages: Sequence[str] | None = None, fused: str | Sequence[Sequence[str]] | None = "auto",
+                 format_version: str | None = None, modules: dict[str, Any] | None = None,
+                 quant_method: str = QUANT_METHOD, **unknown: Any) -> None:
+        if quant_method != QUANT_METHOD:
+            raise FormatError(f"TeSerialConfig is quant_method {QUANT_METHOD!r}, got {quant_method!r}")
+        if unknown:  # a newer te-serial's fields: the manifest decides what loads, so say and go on
+            warnings.warn(f"te-serial: quantization_config fields {sorted(unknown)} are unknown to this version "
+                          "and ignored", stacklevel=2)
+        self.quant_method = QUANT_METHOD
+        self.recipe = recipe
+        self.exclude = list(exclude) if exclude is not None else None
+        self.usages = list(usages) if usages is not None else None
+        self.fused = fused if fused is None or isinstance(fused, str) else [list(g) for g in fused]
+        self.format_version = format_version if format_version is not None else f"{VERSION[0]}.{VERSION[1]}"
+        self.modules = dict(modules) if modules is not None else None
+        self.post_init()
+
+    def post_init(self) -> None:
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise FormatError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        if self.exclude is not None and not all(isinstance(p, str) for p in self.exclude):
+            raise FormatError(f"exclude must be module-name globs, got {self.exclude!r}")
+        if self.usages is not None and (not self.usages or set(self.usages) - set(_USAGES)):
+            raise FormatError(f"usages must name one or both of {list(_USAGES)}, got {self.usages!r}")
+        fusion.groups_for(None, self.fused)  # refuses what quantize_model(fused=...) refuses
+        if not isinstance(self.format_version, str) or not re.fullmatch(r"\d+\.\d+", self.format_version):
+            raise FormatError(f"format_version must read 'major.minor', got {self.format_version!r}")
+        if self.modules is not None and not all(isinstance(k, str) and isinstance(v, (str, dict))
+                                                for k, v in self.modules.items()):
+            raise FormatError("modules maps module names to a recipe name or a quantizer's fields")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, **{f: copy.deepcopy(getattr(self, f)) for f in _FIELDS}}
+
+
+def _matches(name: str, patterns: Sequence[str] | None) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+class _Op(ConversionOps):
+    """An op that holds the quantizer by reference: transformers deep-copies a converter per weight,
+    and the quantizer holds the open checkpoint."""
+
+    def __init__(self, hf_quantizer: "TeSerialHfQuantizer") -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo: dict) -> "_Op":
+        return type(self)(self.hf_quantizer)
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        raise UnsupportedOperationError("te-serial tensors are saved by te_serial.save_quantized, not save_pretrained")
+
+
+class TeSerialDeserialize(_Op):
+    """One quantized weight of a te-serial checkpoint, read by te-serial's reader. ``input_dict``
+    holds the weight's small buffers as transformers materialized them (only their device is used:
+    it is where transformers places the parameter)."""
+
+    def convert(self, input_dict: dict, full_layer_name: str | None = None, model: nn.Module | None = None,
+                **kwargs: Any) -> dict[str, nn.Parameter]:
+        first = next(iter(input_dict.values()))
+        device = (first[0] if isinstance(first, list) else first).device
+        return {full_layer_name: self.hf_quantizer._read_quantized(full_layer_name, device, model)}
+
+
+class TeSerialQuantize(_Op):
+    """One high-precision weight, quantized as transformers hands it over."""
+
+    def convert(self, input_dict: dict, full_layer_name: str | None = None, model: nn.Module | None = None,
+                **kwargs: Any) -> dict[str, nn.Parameter]:
+        (key, value), = input_dict.items()
+        value = value[0] if isinstance(value, list) else value
+        return {key: self.hf_quantizer._quantize(key, value, model)}
+
+
+class TeSerialHfQuantizer(HfQuantizer):
+    """transformers' quantizer for the ``te_serial`` method (see the module docstring)."""
+
+    requires_calibration = False
+    quantization_config: TeSerialConfig
+
+    def __init__(self, quantization_config: TeSerialConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self._ckpt: Checkpoint | None = None
+        self._serialized: dict[str, list[str]] = {}
+        self._to_quantize: dict[str, str] = {}        # weight name → module name (quantize on load)
+        self._group_of: dict[str, tuple[str, ...]] = {}  # module → its fused group (tensor-wide scales)
+        self._amax: dict[str, Any] = {}                # module → its group's shared amax, once computed
+        self._files: list[str] = []
+        self._key_files: dict[str, str] | None = None
+        self._q = None
+
+    # --- before the model is built ----------------------------------------------------------------
+    def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
+        if not self.pre_quantized and self.quantization_config.recipe is None:
+            raise FormatError("quantize on load needs a recipe: TeSerialConfig(recipe=...), one of "
+                              + ", ".join(RECIPES))
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise UnsupportedOperationError("te_serial.hf does not offload to disk; use device_map='cpu' or 'auto' "
+                                            "without disk")
+
+    def update_attn_implementation(self, config: Any) -> Any:
+        # the only hook that sees the config before transformers looks for the weight files
+        if self.pre_quantized and getattr(config, "transformers_weights", None) is None:
+            config.transformers_weights = HF_INDEX_NAME
+        return config
+
+    # --- the model on meta, before any weight is read -----------------------------------------------
+    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: list[str] | None = None,
+                                             **kwargs: Any) -> nn.Module:
+        if getattr(model.config, "transformers_weights", None) == HF_INDEX_NAME:
+            del model.config.transformers_weights  # our pointer, not the model's config
+        with torch.device("cpu"):  # transformers calls this under its meta-device init context
+            if self.pre_quantized:
+                self._open(model, checkpoint_files)
+            else:
+                self._plan(model, checkpoint_files)
+        return model
+
+    def _open(self, model: nn.Module, checkpoint_files: list[str] | None) -> None:
+        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+            raise CheckpointError("a te-serial checkpoint loads from its safetensors shards (through "
+                                  f"{HF_INDEX_NAME}); transformers found {checkpoint_files!r}")
+        root = Path(checkpoint_files[0]).parent
+        if not (root / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"config.json says quant_method {QUANT_METHOD!r}, but there is no {MANIFEST_NAME} "
+                                  "beside the shards (from_pretrained reads te-serial checkpoints from a local "
+                                  "directory)", file=str(root))
+        ckpt = Checkpoint(root)  # manifest, schema, registry, every shard's header: checked now
+        try:
+            self._serialized = self._keys(model, ckpt, checkpoint_files, root)
+        except BaseException:
+            ckpt.close()
+            raise
+        self._ckpt = ckpt
+
+    def _keys(self, model: nn.Module, ckpt: Checkpoint, checkpoint_files: list[str], root: Path) -> dict[str, list[str]]:
+        """``serialized_names`` from the manifest's prototypes: per parameter name (``weight``), the
+        keys of its quantized tensors' small buffers; the data buffers' keys become ignored on the model."""
+        stray = sorted({Path(f).name for f in checkpoint_files} - set(ckpt.manifest.files))
+        if stray:
+            raise CheckpointError(f"{HF_INDEX_NAME} names shards {stray[:5]} that {MANIFEST_NAME} does not "
+                                  "(save the checkpoint again)", file=str(root))
+        quantized = {n: p for n, p in ckpt.protos.items() if p.quantizer is not None}
+        self._check_modules(quantized, root)
+        triggers: dict[str, set[str]] = {}
+        data: set[str] = set()
+        for name, proto in quantized.items():
+            q = proto.quantizer
+            if getattr(q, "is_container", False):
+                raise UnsupportedOperationError(f"{name}: grouped (MoE) te-serial tensors do not load through "
+                                                "from_pretrained yet; use te_serial.load_into")
+            leaf = name.rpartition(".")[2]
+            data_buffers = {q.usage_layout(u).data for u in q.usages_on()}
+            buffers = list(expected_buffers(proto))
+            small = [b for b in buffers if b not in data_buffers]
+            if not small:
+                raise UnsupportedOperationError(f"{name}: a {q.kind} tensor with no scale buffer")
+            triggers.setdefault(leaf, set()).update(f"{leaf}.{b}" for b in small)
+            data.update(f"{leaf}.{b}" for b in buffers if b in data_buffers)
+        if data:  # read by te-serial, never by transformers: not "unexpected"
+            ignore = r"\.(?:" + "|".join(re.escape(k) for k in sorted(data)) + r")$"
+            model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), ignore}
+        return {leaf: sorted(names) for leaf, names in triggers.items()}
+
+    def _check_modules(self, quantized: dict, root: Path) -> None:
+        """config.json's ``modules`` against the manifest's prototypes (when config.json lists them)."""
+        said = self.quantization_config.modules
+        if said is None:
+            return
+        found = quantization_config(quantized) or {"modules": {}}
+        wrong = sorted(set(said) ^ set(found["modules"]))
+        wrong += sorted(m for m in set(said) & set(found["modules"]) if said[m] != found["modules"][m])
+        if wrong:
+            raise CheckpointError(f"config.json's quantization_config disagrees with {MANIFEST_NAME} for modules "
+                                  f"{wrong[:10]} (a config.json from another checkpoint?)", file=str(root),
+                                  field="quantization_config.modules")
+
+    def _plan(self, model: nn.Module, checkpoint_files: list[str] | None) -> None:
+        """The weights to quantize on load: quantize_model's choice, less ``exclude``."""
+        cfg = self.quantization_config
+        col = "columnwise" in cfg.usages if cfg.usages is not None else torch.is_grad_enabled()
+        row = "rowwise" in cfg.usages if cfg.usages is not None else True
+        self._q = q = recipe_quantizer(cfg.recipe, rowwise=row, columnwise=col)
+        chosen: dict[str, nn.Parameter] = {}
+        for mname, module in model.named_modules():
+            w = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+            if w is None or isinstance(w, QuantizedTensorStorage):
+                continue
+            if stays_high_precision(f"{mname}.weight" if mname else "weight", tuple(w.shape)) \
+                    or _matches(mname, cfg.exclude):
+                continue
+            chosen[mname] = w
+        for mname, w in chosen.items():
+            try:
+                q.check_shape(tuple(w.shape))
+            except ShapeError as e:
+                warnings.warn(f"te-serial: {mname}.weight left unquantized: {e}", stacklevel=2)
+                continue
+            self._to_quantize[f"{mname}.weight" if mname else "weight"] = mname
+        if q.takes_tensor_amax():
+            groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), cfg.fused)
+            for members in fusion.fused_groups(chosen, groups, suffix=""):
+                self._group_of.update({m: members for m in members})
+        self._files = [str(f) for f in checkpoint_files or []]
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        return param_name in self._to_quantize
+
+    @property
+    def serialized_names(self) -> dict[str, list[str]]:
+        return self._serialized if self.pre_quantized else {}
+
+    def get_load_operations(self) -> dict:
+        return {"deserialize": TeSerialDeserialize}
+
+    def get_quantize_ops(self) -> ConversionOps:
+        return TeSerialQuantize(self)
+
+    def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
+        from transformers.core_model_loading import WeightConverter
+        if self.pre_quantized and self._ckpt is not None:
+            quantized = [n for n, p in self._ckpt.protos.items() if p.quantizer is not None]
+            for conv in weight_conversions:
+                if isinstance(conv, WeightConverter):
+                    hit = next((n for n in quantized if conv.compiled_sources.search(n)), None)
+                    if hit is not None:
+                        raise UnsupportedOperationError(
+                            f"{type(model).__name__}'s conversion mapping rewrites {hit!r} "
+                            f"({conv.source_patterns} → {conv.target_patterns}); quantized te-serial tensors "
+                            "load through from_pretrained only under their own names (use te_serial.load_into)")
+        return super().update_weight_conversions(weight_conversions, model)
+
+    # --- one weight at a time -----------------------------------------------------------------------
+    def _source_name(self, name: str, model: nn.Module) -> str:
+        protos = self._ckpt.protos
+        if name in protos:
+            return name
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        for alt in (name.removeprefix(f"{prefix}.") if prefix else None, f"{prefix}.{name}" if prefix else None):
+            if alt and alt in protos:
+                return alt
+        raise CheckpointError("no quantized tensor of this name in the checkpoint", file=str(self._ckpt.path),
+                              tensor=name)
+
+    def _read_quantized(self, name: str, device: torch.device, model: nn.Module) -> nn.Parameter:
+        src = self._source_name(name, model)
+        t = self._ckpt.get(src, device=device)
+        t = _with_nominal(t, model.get_parameter(name).dtype)  # as load_into: the model's dtype
+        return nn.Parameter(t.detach(), requires_grad=self._ckpt.protos[src].requires_grad)
+
+    def _quantize(self, name: str, value: torch.Tensor, model: nn.Module) -> nn.Parameter:
+        mname = self._to_quantize[name]
+        amax = self._group_amax(mname, value, model)
+        qt = self._q.quantize(value.detach(), tensor_amax=amax)
+        return nn.Parameter(qt, requires_grad=model.get_parameter(name).requires_grad)
+
+    def _group_amax(self, mname: str, value: torch.Tensor, model: nn.Module) -> Any:
+        """The fused group's shared amax, as quantize_model computes it (None: no group)."""
+        members = self._group_of.get(mname)
+        if members is None:
+            return None
+        if mname not in self._amax:
+            weights = {m: value if m == mname else self._read_plain(f"{m}.weight", value.dtype, model, members)
+                       for m in members}
+            shared = _shared_amax(model, self._q, weights, self.quantization_config.fused)
+            self._amax.update({m: shared.get(m) for m in members})
+            del weights
+        return self._amax.pop(mname)
+
+    def _read_plain(self, name: str, dtype: torch.dtype, model: nn.Module, members: tuple[str, ...]) -> torch.Tensor:
+        """A fused-group partner from the checkpoint files, cast to ``dtype`` as transformers casts it."""
+        from safetensors import safe_open
+        if self._key_files is None:  # every file's keys, once (headers only)
+            self._key_files = {}
+            for file in self._files:
+                if file.endswith(".safetensors"):
+                    with safe_open(file, framework="pt", device="cpu") as f:
+                        self._key_files.update(dict.fromkeys(f.keys(), file))
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        keys = [name] + ([name.removeprefix(f"{prefix}."), f"{prefix}.{name}"] if prefix else [])
+        found = next((k for k in keys if k in self._key_files), None)
+        if found is not None:
+            with safe_open(self._key_files[found], framework="pt", device="cpu") as f:
+                return f.get_tensor(found).to(dtype)
+        raise ConversionError(f"fused group {list(members)}: {name} is not in the checkpoint under its own name, so "
+                              "the group's shared amax cannot be read; TeSerialConfig(fused='off') quantizes each "
+                              "member on its own", tensor=name)
+
+    # --- after loading ----------------------------------------------------------------------------
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        if self._ckpt is not None:
+            self._ckpt.close()  # loaded tensors keep their own mappings
+            self._ckpt = None
+        self._amax.clear()
+        self._key_files = None
+        protos = {n: to_tensor_proto(p) for n, p in model.named_parameters()
+                  if isinstance(p, QuantizedTensorStorage)}
+        if protos:
+            _guard_save_pretrained(model)  # save_pretrained names te_serial.save_quantized
+        if not self.pre_quantized:  # the config says what the model now holds
+            held = quantization_config(protos) or {}
+            self.quantization_config.modules = held.get("modules", {})
+            self.quantization_config.usages = held.get("usages", self.quantization_config.usages)
+        return model
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        for module in model.modules():
+            for pname, p in list(module._parameters.items()):
+                if isinstance(p, QuantizedTensorStorage):
+                    plain = p.dequantize(dtype=dtype) if dtype is not None else p.dequantize()
+                    module._parameters[pname] = nn.Parameter(plain.detach(), requires_grad=p.requires_grad)
+        model.__dict__.pop("save_pretrained", None)
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return False  # te_serial.save_quantized writes these models
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # adapters (PEFT) over the quantized base; the quantized weights themselves stay frozen
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def _register() -> None:
+    """Register the ``te_serial`` method (importing this module does it, once per process)."""
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not TeSerialConfig:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)  # a reloaded module replaces its classes
+        register_quantization_config(QUANT_METHOD)(TeSerialConfig)
+    if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not TeSerialHfQuantizer:
+        AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+        register_quantizer(QUANT_METHOD)(TeSerialHfQuantizer)
+
+
+_register()
