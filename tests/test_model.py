@@ -217,3 +217,16 @@ def test_quantized_model_state_dict_round_trips(tmp_path):
     assert list(back) == list(ref)
     for k in ref:
         assert type(back[k]) is type(ref[k])
+
+
+def test_load_into_another_dtype_with_parameters_that_require_grad(tmp_path):
+    """Plain parameters saved with requires_grad=True, loaded into a model of another dtype: cast,
+    their figures taken, and they keep requiring grad (the comparison made no autograd graph)."""
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)).to(torch.bfloat16)
+    ts.quantize_model(m, "mxfp8")
+    ts.save_quantized(m, tmp_path / "c")
+    with torch.device("meta"):
+        m2 = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)).float()
+    ts.load_into(m2, tmp_path / "c")
+    assert m2[1].weight.dtype == torch.float32 and m2[1].weight.requires_grad
+    assert torch.equal(m2[1].weight, m[1].weight.float()) and torch.equal(m2[0].bias, m[0].bias.float())

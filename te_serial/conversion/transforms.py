@@ -237,8 +237,8 @@ def _add_each(cs: list[_Comparison], ref: torch.Tensor, outs: list[torch.Tensor]
     for o in outs:
         if o.shape != ref.shape:
             raise ConversionError(f"shapes differ: {tuple(ref.shape)} vs {tuple(o.shape)}")
-    a = ref.reshape(-1)
-    bs = [o.reshape(-1) for o in outs]
+    a = ref.detach().reshape(-1)   # figures, not a graph: a tensor that requires grad is compared as values
+    bs = [o.detach().reshape(-1) for o in outs]
     if fused.wants_fused(a.numel(), a.device, True):  # lossy outputs: their figures in one compiled pass
         left = [(c, b) for c, b in zip(cs, bs) if not c._settle(a, b)]
         cs, bs = [c for c, _ in left], [b for _, b in left]
