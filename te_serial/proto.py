@@ -49,7 +49,7 @@ class TensorProto:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        if not addressable(self.shape, self.dtype.itemsize):
+        if 0 in self.shape and not addressable(self.shape, self.dtype.itemsize):  # holds nothing, yet
             raise ShapeError(f"shape {list(self.shape)} of {dtype_name(self.dtype)} is larger than torch can lay out "
                              "(storage size over 2^63 bytes, each dimension counted as at least 1)")
         if self.device is not None and not isinstance(self.device, torch.device):

@@ -4,7 +4,7 @@ Each ``<name>.safetensors`` (or, for a directory checkpoint, ``<name>/``) was wr
 tools/make_golden.py, next to ``<name>.expected.json`` holding what a reader must get: per tensor
 its prototype, each buffer's key, shape, dtype, xxh3_64 (and shard), the xxh3_64 of
 ``dequantize(torch.float32)``, and the tree with its plain values. Ten files are frozen at format
-1.0, the later ones at 1.1 (:data:`GOLDENS`); every version must keep reading all of them. These
+1.0, the later ones at 1.1 and 1.3 (:data:`GOLDENS`); every version must keep reading all of them. These
 tests read the files through te-serial (``open``, ``load_quantized``, ``verify``) and,
 independently, with plain ``safetensors`` + ``msgpack`` following schema/README.md. They never
 regenerate anything: a failure here means a reader change broke v1 compatibility (or a golden file
@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 import te_serial as ts
 from te_serial import errors as tse
 from te_serial import formats as tsf
+from te_serial.checkpoint.manifest import format_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "schema" / "golden"
@@ -46,13 +47,17 @@ GOLDENS = {
     "dir_two_shards": (1, 1), "tied_quantized": (1, 1), "nvfp4_rht_columnwise": (1, 1), "no_checksums": (1, 1),
     "extra_state_enum": (1, 1),
     "grouped_moe": (1, 3), "nvfp4_row_scaled": (1, 3), "nvfp4_4over6": (1, 3),
+    "mxfp8_e8m0_edges": (1, 3), "dcp_two_ranks": (1, 3),
 }
 GOLDEN_NAMES = tuple(GOLDENS)
 #: goldens in the directory layout (te_serial.msgpack + shards); the others are single files
-DIRECTORY_GOLDENS = {"dir_two_shards"}
+DIRECTORY_GOLDENS = {"dir_two_shards", "dcp_two_ranks"}
+#: goldens holding chunked tensors (format 1.2's tensors.chunks, schema/README.md §13)
+CHUNKED_GOLDENS = {"dcp_two_ranks"}
 #: the quantizer kinds and storage classes the goldens must cover between them
 KINDS = {"fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_blockwise", "nvfp4"}
-MAX_GOLDEN_BYTES = 420_000  # format 1.3 added grouped_moe, nvfp4_row_scaled, nvfp4_4over6
+MAX_GOLDEN_BYTES = 560_000  # format 1.3 added grouped_moe, nvfp4_row_scaled, nvfp4_4over6, mxfp8_e8m0_edges,
+# dcp_two_ranks
 
 HEADER_KEY = "te_serial.manifest"
 MANIFEST_NAME = "te_serial.msgpack"
@@ -74,6 +79,46 @@ def digest(t: torch.Tensor) -> str:
     flat = t.detach().cpu().contiguous().reshape(-1)
     data = b"" if flat.numel() == 0 else flat.view(torch.uint8).numpy().tobytes()
     return "xxh3_64:" + xxhash.xxh3_64(data).hexdigest()
+
+
+def digest_values(t: torch.Tensor) -> str:
+    """``dequantized_float32_xxh3_64`` (schema/README.md §11): the fp32 values' little-endian bytes in C
+    order, each NaN as 0x7FC00000 (a NaN's sign and payload are not part of the format)."""
+    v = t.detach().to(torch.float32).contiguous()
+    bits = torch.where(torch.isnan(v), torch.tensor(0x7FC00000, dtype=torch.int32), v.view(torch.int32))
+    return digest(bits)
+
+
+#: schema/README.md §13: (rows, columns) of one block of each block-scale buffer, whether stored
+#: transposed; key (kind, block_scaling_dim or None, buffer)
+SCALE_GRIDS = {
+    ("mxfp8", None, "_rowwise_scale_inv"): (1, 32, False), ("mxfp8", None, "_columnwise_scale_inv"): (32, 1, False),
+    ("fp8_blockwise", 1, "_rowwise_scale_inv"): (1, 128, True),
+    ("fp8_blockwise", 1, "_columnwise_scale_inv"): (128, 1, False),
+    ("fp8_blockwise", 2, "_rowwise_scale_inv"): (128, 128, False),
+    ("fp8_blockwise", 2, "_columnwise_scale_inv"): (128, 128, True),
+    ("nvfp4", None, "_rowwise_scale_inv"): (1, 16, False), ("nvfp4", None, "_columnwise_scale_inv"): (16, 1, True),
+}
+
+
+def spec_region_view(shape: list, q: dict | None, bname: str, stored: list) -> list:
+    """A buffer's region view R, from schema/README.md §13's table alone (no te-serial)."""
+    if q is None or q["kind"] == "grouped":
+        return list(stored)
+    kind, m, k = q["kind"], math.prod(shape[:-1]), shape[-1]
+    p = 2 if kind == "nvfp4" else 1
+    if bname in ("_data", "_rowwise_data") or (kind == "mxfp8" and bname == "_columnwise_data"):
+        return [m, k // p]
+    if bname in ("_transpose", "_columnwise_data"):
+        return [k, m // p]
+    if bname == "_amax_rowwise" and q.get("row_scaled_nvfp4"):
+        return [m]
+    grid = SCALE_GRIDS.get((kind, q.get("block_scaling_dim"), bname))
+    if grid is None:
+        return list(stored)
+    r, c, transposed = grid
+    cells = [-(-m // r), -(-k // c)]
+    return cells[::-1] if transposed else cells
 
 
 def decode_value(v):
@@ -278,11 +323,19 @@ def test_manifest_as_recorded(name):
                 assert p.quantizer.tensor_class.__name__ == want["storage"], tname
             entry = m.tensors[tname]
             assert list(entry.buffers) == list(want["buffers"]), tname
+            chunked = {b: (view, pcs) for b, view, _, pcs in m.pieces(tname)} if m.is_chunked(tname) else {}
+            assert set(chunked) == {b for b, wb in want["buffers"].items() if "pieces" in wb}, tname
             for bname, wb in want["buffers"].items():
                 b = entry.buffers[bname]
                 assert b.key == wb["key"], (tname, bname)
                 assert list(b.shape) == wb["shape"], (tname, bname)
                 assert b.dtype == getattr(torch, wb["dtype"]), (tname, bname)
+                if bname in chunked:  # format 1.2: the pieces, as recorded
+                    view, pcs = chunked[bname]
+                    assert list(view) == wb["region"], (tname, bname)
+                    assert [(f, k, list(o), list(z), format_checksum(c)) for f, k, o, z, c in pcs] == \
+                        [(pc["file"], pc["key"], pc["offsets"], pc["sizes"], pc["xxh3_64"]) for pc in wb["pieces"]]
+                    continue
                 if name in DIRECTORY_GOLDENS:
                     assert b.file == wb["file"], (tname, bname)
                 if not has_checksums(rec):
@@ -319,7 +372,7 @@ def test_tensors_as_recorded(name):
             assert digest(stored) == wb["xxh3_64"], f"{tname}.{bname}: bytes differ"
         dq = t.dequantize(torch.float32)
         assert dq.dtype == torch.float32 and list(dq.shape) == want["shape"]
-        assert digest(dq) == want["dequantized_float32_xxh3_64"], f"{tname}: dequantized values differ"
+        assert digest_values(dq) == want["dequantized_float32_xxh3_64"], f"{tname}: dequantized values differ"
 
 
 def _leaves_of(obj, want) -> dict:
@@ -384,7 +437,7 @@ def test_tree_as_recorded(name):
         if w["quantizer"] is None:
             assert digest(t) == w["buffers"]["data"]["xxh3_64"], n
         else:
-            assert digest(t.dequantize(torch.float32)) == w["dequantized_float32_xxh3_64"], n
+            assert digest_values(t.dequantize(torch.float32)) == w["dequantized_float32_xxh3_64"], n
     assert_same_tree(obj, want, leaves)
 
 
@@ -444,7 +497,8 @@ def test_no_checksums():
     assert "checksums" in doc["tensors"] and doc["tensors"]["checksums"] is None
     obj = ts.load_quantized(golden("no_checksums"))
     assert obj["step"] == 7
-    assert digest(obj["weight"].dequantize(torch.float32)) == rec["tensors"]["weight"]["dequantized_float32_xxh3_64"]
+    assert digest_values(obj["weight"].dequantize(torch.float32)) == \
+        rec["tensors"]["weight"]["dequantized_float32_xxh3_64"]
     with pytest.raises(tse.ChecksumError, match="saved without checksums"):
         ts.verify(golden("no_checksums"))
     with pytest.raises(tse.ChecksumError, match="saved without checksums"):
@@ -476,7 +530,7 @@ def test_dir_two_shards_splits_one_tensor():
         assert {k for k in header if k.startswith("layers.0.weight.")} == \
             {f"layers.0.weight.{b}" for b, f in files.items() if f == shard}
     t = ts.load_quantized(golden("dir_two_shards"), verify=True)["layers"][0]["weight"]
-    assert digest(t.dequantize(torch.float32)) == \
+    assert digest_values(t.dequantize(torch.float32)) == \
         rec["tensors"]["layers.0.weight"]["dequantized_float32_xxh3_64"]
 
 
@@ -565,20 +619,47 @@ def raw_manifest(path: Path) -> dict:
 
 
 def raw_buffers(doc: dict) -> dict[str, dict[str, dict]]:
-    """tensor name → buffer name → {key, shape, dtype, checksum} from the manifest's columns."""
+    """tensor name → buffer name → {key, shape, dtype, checksum, file} from the manifest's columns;
+    a chunked tensor's buffers (format 1.2) have ``view`` (the region view, §13) and ``pieces``
+    [(key, offsets, sizes, file, checksum)] instead of ``file`` and ``checksum``."""
     cols = doc["tensors"]
     aliases = {a: b for a, b in cols.get("aliases", [])}
+    chunks = cols.get("chunks") or [None] * len(cols["names"])
     out = {}
     for i, tname in enumerate(cols["names"]):
         proto = doc["protos"][cols["protos"][i]]
+        q = doc["quantizers"][proto["quantizer"]] if proto["quantizer"] is not None else None
         src = aliases.get(i, i)
         bufs = {}
         for j, b in enumerate(proto["buffers"]):
             key = cols["names"][src] if b["name"] == "data" else f"{cols['names'][src]}.{b['name']}"
-            cs = cols["checksums"][src][j] if cols.get("checksums") is not None else None
-            bufs[b["name"]] = {"key": key, "shape": b["shape"], "dtype": b["dtype"], "checksum": cs,
-                               "file": cols["files"][src][j]}
+            entry = {"key": key, "shape": b["shape"], "dtype": b["dtype"]}
+            c = chunks[i]
+            if c is not None:
+                sums = c["checksums"][j] if c["checksums"] is not None else [None] * len(c["files"][j])
+                entry["view"] = spec_region_view(proto["shape"], q, b["name"], b["shape"])
+                entry["pieces"] = [(f"{key}@{n}", o, z, f, cs) for n, (o, z, f, cs)
+                                   in enumerate(zip(c["offsets"][j], c["sizes"][j], c["files"][j], sums))]
+            else:
+                entry["checksum"] = cols["checksums"][src][j] if cols.get("checksums") is not None else None
+                entry["file"] = cols["files"][src][j]
+            bufs[b["name"]] = entry
         out[tname] = bufs
+    return out
+
+
+def assemble(b: dict, sts: list) -> torch.Tensor:
+    """A chunked buffer from its pieces (§13): zero bytes of its shape, viewed as its region view R (a
+    reshape, or the top-left corner of a padded scale), each piece copied into its box."""
+    dtype = getattr(torch, b["dtype"])
+    view = b["view"]
+    out = torch.zeros(math.prod(b["shape"]) * dtype.itemsize, dtype=torch.uint8).view(dtype).reshape(b["shape"])
+    full = view if math.prod(view) == math.prod(b["shape"]) else b["shape"]
+    region = out.reshape(full)[tuple(slice(0, v) for v in view)]
+    for key, offsets, sizes, f, _ in b["pieces"]:
+        piece = sts[f][key]
+        assert piece.dtype == dtype and list(piece.shape) == sizes, key
+        region[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))] = piece
     return out
 
 
@@ -608,6 +689,15 @@ def test_raw_read_without_te_serial(name):
         for bname, wb in want["buffers"].items():
             b = raw[tname][bname]
             assert b["key"] == wb["key"] and b["shape"] == wb["shape"] and b["dtype"] == wb["dtype"]
+            if "pieces" in b:  # format 1.2: assembled from its pieces by §13's region view
+                assert b["view"] == wb["region"], (tname, bname)
+                assert [(k, o, z, doc["files"][f]["name"], f"xxh3_64:{c:016x}") for k, o, z, f, c in b["pieces"]] \
+                    == [(pc["key"], pc["offsets"], pc["sizes"], pc["file"], pc["xxh3_64"]) for pc in wb["pieces"]]
+                for (k, _, _, f, _), pc in zip(b["pieces"], wb["pieces"]):
+                    assert digest(sts[f][k]) == pc["xxh3_64"], k
+                    used.add((f, k))
+                assert digest(assemble(b, sts)) == wb["xxh3_64"], (tname, bname)
+                continue
             if name in DIRECTORY_GOLDENS:
                 assert doc["files"][b["file"]]["name"] == wb["file"], (tname, bname)
             else:
@@ -645,7 +735,8 @@ def test_safetensors_dtypes_on_disk():
                 continue
             kind = want["quantizer"]["kind"]
             for bname, wb in want["buffers"].items():
-                assert header[wb["key"]]["dtype"] == wb["safetensors_dtype"]
+                for key in [pc["key"] for pc in wb["pieces"]] if "pieces" in wb else [wb["key"]]:
+                    assert header[key]["dtype"] == wb["safetensors_dtype"], key
                 codes.setdefault((kind, bname), set()).add(wb["safetensors_dtype"])
     assert codes[("mxfp8", "_rowwise_scale_inv")] == {"F8_E8M0"}
     assert codes[("mxfp8", "_rowwise_data")] == {"F8_E4M3", "F8_E5M2"}
@@ -653,17 +744,18 @@ def test_safetensors_dtypes_on_disk():
     assert codes[("nvfp4", "_rowwise_data")] == {"U8"}
     assert codes[("nvfp4", "_columnwise_scale_inv")] == {"F8_E4M3"}
     assert codes[("nvfp4", "_amax_rowwise")] == {"F32"}
-    assert codes[("fp8_delayed_scaling", "_transpose")] == {"F8_E4M3"}
+    assert codes[("fp8_delayed_scaling", "_transpose")] == {"F8_E4M3", "F8_E5M2"}  # E5M2: dcp_two_ranks
     assert codes[("fp8_current_scaling", "_data")] == {"F8_E4M3", "F8_E5M2"}
 
 
 def _readme_example() -> dict:
+    """The README's python blocks (§12's reader, §13's chunk assembly and region views), run together."""
     text = README.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    code = next((b for b in blocks if "def read_checkpoint" in b), None)
-    assert code is not None, "schema/README.md lost its python example"
+    assert any("def read_checkpoint" in b for b in blocks), "schema/README.md lost its python example"
+    assert any("def region_view" in b for b in blocks), "schema/README.md lost its region-view example"
     ns: dict = {"__name__": "readme_example"}
-    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - our own documentation
+    exec(compile("\n\n".join(blocks), str(README), "exec"), ns)  # noqa: S102 - our own documentation
     return ns
 
 
@@ -676,7 +768,7 @@ def _check_readme_reader(ns: dict, path: Path, rec: dict) -> None:
         assert {n: digest(b) for n, b in t["buffers"].items()} == \
             {n: wb["xxh3_64"] for n, wb in want["buffers"].items()}, tname
         if want["quantizer"] is not None and want["quantizer"]["kind"] == "mxfp8":
-            assert digest(ns["dequantize_mxfp8"](t)) == want["dequantized_float32_xxh3_64"], tname
+            assert digest_values(ns["dequantize_mxfp8"](t)) == want["dequantized_float32_xxh3_64"], tname
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
@@ -736,7 +828,7 @@ def test_newer_minor_version_with_unknown_optional_fields_loads(tmp_path):
     for tname, want in rec["tensors"].items():
         t = loaded[tname]
         if want["quantizer"] is not None:
-            assert digest(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
+            assert digest_values(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
 
 
 def test_golden_copy_reads_the_same(tmp_path):
@@ -747,7 +839,7 @@ def test_golden_copy_reads_the_same(tmp_path):
     rec = record("nvfp4_1d")
     loaded = ts.open(dst).load_tensors(verify=True)
     for tname, want in rec["tensors"].items():
-        assert digest(loaded[tname].dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
+        assert digest_values(loaded[tname].dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"]
 
 
 def test_verify_catches_a_flipped_byte(tmp_path):

@@ -23,9 +23,11 @@ only as the record of how their files were made, and their files are never rewri
 Everything is deterministic: the inputs come from a fixed integer hash of (seed, index) turned
 into floats with exact IEEE arithmetic (no torch RNG, whose streams may change between torch
 releases), names are fixed, and a directory checkpoint's random save id (which goes into its
-shard names) is pinned to :data:`SAVE_ID` while it is written. The manifest records the
-producer's versions (te-serial, torch, transformer_engine), so byte-identity holds for one
-environment.
+shard names) is pinned to :data:`SAVE_ID` while it is written. A case with ``dcp_world`` is saved
+by ``te_serial.dcp.save`` from that many spawned processes (gloo on CPU, :func:`dcp_save`), each
+building the same full tensors and saving its ``DTensor`` part; the coordinator's save id is pinned
+the same way. The manifest records the producer's versions (te-serial, torch, transformer_engine),
+so byte-identity holds for one environment.
 
 Expected record (``<name>.expected.json``): for a single file its size and xxh3_64; for a
 directory (``"layout": "directory"``, from format 1.1) ``files``: name, size and xxh3_64 of the
@@ -34,7 +36,9 @@ format, version, producer and metadata, and (format 1.1) ``manifest_checksum`` a
 ``checksums`` (false when saved with ``checksums=False``); per tensor its prototype (shape,
 dtype, requires_grad, quantizer fields, storage, scale_layout) and per buffer its key, shape,
 dtype (te-serial name and safetensors code), the xxh3_64 of its bytes and, in a directory, the
-shard that holds it; the xxh3_64 of ``t.dequantize(torch.float32)`` for quantized tensors; and
+shard that holds it (a chunked tensor's buffers: their region view and, per piece, key, box, shard
+and xxh3_64); the xxh3_64 of ``t.dequantize(torch.float32)`` for quantized tensors, every NaN as
+0x7FC00000 (:func:`digest_values`); and
 the tree with every plain value in a typed JSON encoding: ``{"$tensor": flat name}``,
 ``{"$tuple": [...]}``, ``{"$dict": [[key, value], ...]}`` (key order and int keys kept),
 ``{"$float": float.hex()}``, ``{"$bytes": hex}``, ``{"$te_extra_state": <the decoded state in this
@@ -399,6 +403,69 @@ def case_nvfp4_4over6() -> dict:
     }
 
 
+def case_mxfp8_e8m0_edges() -> dict:
+    """MXFP8 scale bytes at the ends of E8M0 (schema/README.md §7.2): 0 (2^-127) for fp32 blocks whose
+    amax / fp8_max is at most 2^-127 (non-zero codes, E4M3 and E5M2) and for all-zero blocks (zero
+    codes), 254 for blocks holding +-inf (codes +-448, values +-inf), and 255 (NaN) in a stored scale.
+    TE never computes 255 (its block amax ignores NaN, as te-serial's does), so those two tensors are
+    built from buffers, as a checkpoint may hold them: a quantized tensor's bytes with one scale byte
+    set to 255. Rowwise and columnwise-only."""
+    Q = ts.MXFP8Quantizer
+    x = make_input((32, 64), 200, torch.float32)
+    x[:, :32] *= 2.0 ** -125      # amax / 448 <= 2^-132: E = 0 in both usages, codes x * 2^127
+    x[:, 32:] = 0.0               # all zero: E = 0, codes 0
+    x[0, 0], x[1, 1] = float("inf"), float("-inf")  # E = 254 (rows 0, 1; columns 0, 1), codes +-448
+    y = make_input((32, 32), 201, torch.float32) * 2.0 ** -120  # E5M2: amax / 57344 < 2^-127
+    out = {"zero_scale": Q()(x), "zero_scale_columnwise": Q(rowwise=False)(x),
+           "zero_scale_e5m2": Q(E5M2, columnwise=False)(y)}
+    for name, q, scale, cell in (("nan_scale", Q(columnwise=False), "_rowwise_scale_inv", (3, 0)),
+                                 ("nan_scale_columnwise", Q(rowwise=False), "_columnwise_scale_inv", (0, 5))):
+        t = q(make_input((32, 32), 202, torch.bfloat16))
+        bufs = {n: b.clone() for n, b in t.buffers().items()}
+        bufs[scale].view(torch.uint8)[cell] = 255
+        out[name] = type(t)(tuple(t.shape), t.dtype, q, **bufs)
+    return out
+
+
+def case_dcp_two_ranks() -> dict:
+    """What ``te_serial.dcp.save`` writes from 2 processes (format 1.2's chunked tensors, written by
+    the 1.3 writer): the full tensors built here, each process saving its part (:data:`DCP_SHARDS`:
+    a ``DTensor`` ``Shard(dim)`` of the block-aligned slice), the rest replicated. Transposed data on
+    square and non-square tensors (per-tensor FP8 ``_transpose``, blockwise and NVFP4
+    ``_columnwise_data``), scales stored transposed, a 3-D tensor, column shards, row-scaled NVFP4's
+    per-row amax in row ranges, a grouped tensor (one piece per packed buffer), a plain tensor in
+    two pieces and one stored whole."""
+    F, MX, BW, NV = ts.Float8CurrentScalingQuantizer, ts.MXFP8Quantizer, ts.Float8BlockQuantizer, ts.NVFP4Quantizer
+    nv_rows = NV(columnwise=False)
+    return {"model": {
+        "fp8": {"square": F()(make_input((32, 32), 180, zero_tile=True)),
+                "tall": F()(make_input((48, 16), 181, outliers=True)),
+                "delayed_3d": ts.Float8Quantizer(scale=0.5, amax=3.0, fp8_dtype=E5M2)(
+                    make_input((2, 8, 16), 182, torch.float32)),
+                "cols": F()(make_input((32, 32), 183))},
+        "mxfp8": {"square": MX()(make_input((64, 64), 184, tiny_tile=True)),
+                  "tall_columnwise": MX(rowwise=False)(make_input((64, 32), 185))},
+        "blockwise": {"tall_2d": BW()(make_input((256, 16), 186, zero_tile=True)),
+                      "rows_1x128": BW(block_scaling_dim=1, columnwise=False)(make_input((32, 128), 187))},
+        "nvfp4": {"square": NV()(make_input((32, 32), 188, zero_tile=True)),
+                  "tall": NV()(make_input((64, 32), 189, outliers=True)),
+                  "row_scaled": NV(row_scaled_nvfp4=True, columnwise=False)(make_input((64, 32), 190, tiny_tile=True)),
+                  "cols": NV()(make_input((32, 64), 191))},
+        "experts": tsf.GroupedTensor.from_members([nv_rows(make_input((r, 32), 192 + i))
+                                                   for i, r in enumerate((16, 32))]),
+        "bias": det_normal((32,), 194),
+        "norm": make_input((16,), 195)},
+        "step": 3}
+
+
+#: dcp_two_ranks: flat name → the dim each process holds a range of (``Shard(dim)``); other tensors are
+#: replicated (every process holds them whole)
+DCP_SHARDS = {"model.fp8.square": 0, "model.fp8.tall": 0, "model.fp8.delayed_3d": 0, "model.fp8.cols": 1,
+              "model.mxfp8.square": 0, "model.mxfp8.tall_columnwise": 0, "model.blockwise.tall_2d": 0,
+              "model.blockwise.rows_1x128": 0, "model.nvfp4.square": 0, "model.nvfp4.tall": 0,
+              "model.nvfp4.row_scaled": 0, "model.nvfp4.cols": 1, "model.bias": 0}
+
+
 def case_no_checksums() -> dict:
     """Saved with checksums=False: the manifest's tensors.checksums is nil."""
     return {
@@ -490,6 +557,10 @@ class Case(NamedTuple):
     directory: bool = False
     #: save_quantized keyword arguments
     save: dict = {}
+    #: saved by ``te_serial.dcp.save`` from this many processes (gloo on CPU), each holding the parts
+    #: ``shards`` (flat name → dim) gives it; 0: ``save_quantized``
+    dcp_world: int = 0
+    shards: dict = {}
 
 
 # The ten (1, 0) cases wrote the files frozen at format 1.0. They stay here as the record of how
@@ -527,6 +598,12 @@ CASES: dict[str, Case] = {
                          "MSE with 448, rowwise-only and columnwise-only", (1, 3)),
     "grouped_moe": Case(case_grouped_moe, "grouped (MoE) tensors: MXFP8, NVFP4, current-scaling FP8, blockwise FP8 "
                         "and plain BF16 experts, equal and different member shapes", (1, 3)),
+    "mxfp8_e8m0_edges": Case(case_mxfp8_e8m0_edges, "MXFP8 with E8M0 scale bytes 0 (2^-127), 254 and 255 (NaN), "
+                             "rowwise and columnwise", (1, 3)),
+    "dcp_two_ranks": Case(case_dcp_two_ranks, "te_serial.dcp.save from 2 processes: chunked tensors (format 1.2) of "
+                          "every format, row and column shards, transposed buffers on square and non-square "
+                          "tensors, a grouped tensor, row-scaled NVFP4", (1, 3), directory=True, dcp_world=2,
+                          shards=DCP_SHARDS),
 }
 
 
@@ -631,27 +708,92 @@ def _all_tensors(obj: Any, path: tuple = ()) -> list[tuple[str, Any]]:
     return []
 
 
-def tensor_record(name: str, t: Any, manifest_entry) -> dict:
-    """What a reader must find for one tensor, computed from the tensor in memory."""
+def digest_values(t: torch.Tensor) -> str:
+    """``dequantized_float32_xxh3_64``: XXH3-64 of fp32 values (little-endian, C order), every NaN
+    written as 0x7FC00000 (a NaN's sign and payload are not part of the format; schema/README.md §11)."""
+    bits = t.detach().to(torch.float32).contiguous().view(torch.int32)
+    return digest(torch.where(torch.isnan(t.detach().float()), torch.full_like(bits, 0x7FC00000), bits))
+
+
+#: schema/README.md §13: (rows, columns) of one block of each block-scale buffer, and whether the
+#: scale is stored transposed; key (kind, block_scaling_dim or None, buffer)
+SCALE_GRIDS = {
+    ("mxfp8", None, "_rowwise_scale_inv"): (1, 32, False), ("mxfp8", None, "_columnwise_scale_inv"): (32, 1, False),
+    ("fp8_blockwise", 1, "_rowwise_scale_inv"): (1, 128, True),
+    ("fp8_blockwise", 1, "_columnwise_scale_inv"): (128, 1, False),
+    ("fp8_blockwise", 2, "_rowwise_scale_inv"): (128, 128, False),
+    ("fp8_blockwise", 2, "_columnwise_scale_inv"): (128, 128, True),
+    ("nvfp4", None, "_rowwise_scale_inv"): (1, 16, False), ("nvfp4", None, "_columnwise_scale_inv"): (16, 1, True),
+}
+
+
+def region_view(shape, q: dict | None, bname: str, stored) -> list[int]:
+    """The region view R of buffer ``bname`` (stored shape ``stored``) of a tensor of ``shape`` with
+    quantizer fields ``q`` (None: plain), by schema/README.md §13's table alone."""
+    if q is None or q["kind"] == "grouped":  # a plain tensor's S; a grouped tensor's packed 1-D buffer
+        return list(stored)
+    kind, m, k = q["kind"], math.prod(shape[:-1]), shape[-1]
+    p = 2 if kind == "nvfp4" else 1
+    if bname in ("_data", "_rowwise_data") or (kind == "mxfp8" and bname == "_columnwise_data"):
+        return [m, k // p]
+    if bname in ("_transpose", "_columnwise_data"):
+        return [k, m // p]
+    if bname == "_amax_rowwise" and q.get("row_scaled_nvfp4"):
+        return [m]
+    grid = SCALE_GRIDS.get((kind, q.get("block_scaling_dim"), bname))
+    if grid is None:  # tensor-wide: per-tensor FP8 _scale_inv, NVFP4 tensor amax
+        return list(stored)
+    r, c, transposed = grid
+    cells = [-(-m // r), -(-k // c)]
+    return cells[::-1] if transposed else cells
+
+
+def _region(buf: torch.Tensor, view: list[int]) -> torch.Tensor:
+    """Buffer ``buf``'s region view: a reshape, or the top-left corner of a padded scale."""
+    full = view if math.prod(view) == buf.numel() else list(buf.shape)
+    return buf.reshape(full)[tuple(slice(0, v) for v in view)]
+
+
+def _buffer_record(key: str, stored: torch.Tensor, pieces=None, view=None) -> dict:
+    rec = {"key": key, "shape": list(stored.shape), "dtype": dtype_name(stored.dtype),
+           "safetensors_dtype": safetensors_code(stored.dtype), "xxh3_64": digest(stored)}
+    if pieces is not None:  # chunked: each piece's box of the region view, computed here
+        region = _region(stored, view)
+        rec["region"] = list(view)
+        rec["pieces"] = []
+        for f, k, offsets, sizes, checksum in pieces:
+            box = region[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
+            d = digest(box)
+            assert d == f"xxh3_64:{checksum:016x}", (key, offsets, d)
+            rec["pieces"].append({"key": k, "offsets": list(offsets), "sizes": list(sizes), "file": f, "xxh3_64": d})
+    return rec
+
+
+def tensor_record(name: str, t: Any, manifest_entry, pieces=None) -> dict:
+    """What a reader must find for one tensor, computed from the tensor in memory. ``pieces``: a
+    chunked tensor's (buffer, region view, dtype, pieces) from the manifest, as ``Manifest.pieces``."""
     first_key = {b: e.key for b, e in manifest_entry.buffers.items()}
+    chunks = {b: (list(view), pcs) for b, view, _, pcs in pieces} if pieces is not None else {}
     if isinstance(t, tsf.QuantizedTensorStorage):
         q = t.quantizer
         values = q.value_dtypes()
         buffers = {}
         for bname, b in t.buffers().items():
             stored = b.view(values[bname])
-            buffers[bname] = {"key": first_key[bname], "shape": list(stored.shape),
-                              "dtype": dtype_name(stored.dtype),
-                              "safetensors_dtype": safetensors_code(stored.dtype),
-                              "xxh3_64": digest(stored)}
+            view, pcs = chunks.get(bname, (None, None))
+            if view is not None:
+                assert view == region_view(list(t.shape), q.to_dict(), bname, stored.shape), (name, bname, view)
+            buffers[bname] = _buffer_record(first_key[bname], stored, pcs, view)
         return {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                 "requires_grad": bool(getattr(t, "requires_grad", False)),
                 "quantizer": q.to_dict(), "storage": type(t).__name__, "scale_layout": "compact",
-                "buffers": buffers, "dequantized_float32_xxh3_64": digest(t.dequantize(torch.float32))}
+                "buffers": buffers, "dequantized_float32_xxh3_64": digest_values(t.dequantize(torch.float32))}
+    view, pcs = chunks.get("data", (None, None))
+    if view is not None:
+        assert view == list(t.shape), (name, view)
     return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "requires_grad": bool(t.requires_grad),
             "quantizer": None, "storage": None, "scale_layout": None,
-            "buffers": {"data": {"key": first_key["data"], "shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                                 "safetensors_dtype": safetensors_code(t.dtype), "xxh3_64": digest(t)}}}
+            "buffers": {"data": _buffer_record(first_key["data"], t.detach(), pcs, view)}}
 
 
 @contextlib.contextmanager
@@ -701,8 +843,13 @@ def write_case(name: str, out_dir: Path) -> tuple[Path, Path]:
     expanded = expand_extra_states(obj, extra_states)
     path, exp = outputs(name, out_dir)
     metadata = {"golden": name, "description": case.description}
-    with fixed_save_id() if case.directory else contextlib.nullcontext():
-        manifest = ts.save_quantized(obj, path, metadata=metadata, **case.save)
+    if case.dcp_world:
+        dcp_save(name, path, metadata)
+        with ts.open(path) as ckpt:
+            manifest = ckpt.manifest
+    else:
+        with fixed_save_id() if case.directory else contextlib.nullcontext():
+            manifest = ts.save_quantized(obj, path, metadata=metadata, **case.save)
     assert tuple(manifest.version) == case.version, (name, manifest.version)
     ids = _flat_names(expanded)
     tensors = {}
@@ -710,11 +857,12 @@ def write_case(name: str, out_dir: Path) -> tuple[Path, Path]:
         if flat in tensors:
             continue
         entry = manifest.tensors[flat]
-        tensors[flat] = tensor_record(flat, t, entry)
+        chunked = bool(manifest.chunks) and manifest.is_chunked(flat)
+        tensors[flat] = tensor_record(flat, t, entry, manifest.pieces(flat) if chunked else None)
         first = ids[id(t)]  # a tied tensor uses the keys of its first name
         for bname, b in tensors[flat]["buffers"].items():
             assert b["key"] == (first if bname == "data" else f"{first}.{bname}"), (flat, bname, b["key"])
-            if case.directory:
+            if case.directory and not chunked:
                 b["file"] = entry.buffers[bname].file
     assert list(tensors) == list(manifest.tensors), "tensor order differs from the manifest's"
     raw = read_raw_manifest(path)
@@ -749,6 +897,130 @@ def write_case(name: str, out_dir: Path) -> tuple[Path, Path]:
     _self_check(path, record, extra_states)
     CASE_CHECKS.get(name, lambda *a: None)(path, record, manifest)
     return path, exp
+
+
+# --- te_serial.dcp.save from several processes ----------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_part(full: Any, dim: int, world: int, rank: int) -> Any:
+    """``rank``'s part of ``full`` sharded on ``dim`` (``Shard(dim)``): a quantized tensor's block-aligned
+    slice (``slice_quantized``, which keeps the parent's tensor-wide scale / amax), a plain tensor's range."""
+    from torch.distributed.tensor import Shard
+    from te_serial.formats.slicing import slice_quantized
+    shape = tuple(full.shape)
+    size, off = Shard.local_shard_size_and_offset(shape[dim], world, rank)
+    local_shape = tuple(size if d == dim else n for d, n in enumerate(shape))
+    if not isinstance(full, tsf.QuantizedTensorStorage):
+        return full.narrow(dim, off, size).clone()
+    if dim == 0:
+        inner = math.prod(shape[1:-1])
+        part = slice_quantized(full, rows=(off * inner, (off + size) * inner))
+    else:
+        assert dim == len(shape) - 1, dim
+        part = slice_quantized(full, cols=(off, off + size))
+    specs = full.quantizer.describe_buffers(local_shape)
+    return type(full)(local_shape, full.dtype, full.quantizer,
+                      **{n: b.reshape(specs[n].shape) for n, b in part.buffers().items()})
+
+
+def _sharded(obj: Any, shards: dict, world: int, rank: int, mesh, path: tuple = ()) -> Any:
+    """``obj`` with every tensor named in ``shards`` replaced by a DTensor of this rank's part."""
+    from torch.distributed.tensor import DTensor, Shard
+    if isinstance(obj, dict):
+        return {k: _sharded(v, shards, world, rank, mesh, path + (k,)) for k, v in obj.items()}
+    name = ".".join(map(str, path))
+    if name not in shards:
+        return obj
+    dim = shards[name]
+    return DTensor.from_local(_local_part(obj, dim, world, rank), mesh, [Shard(dim)], run_check=False,
+                              shape=obj.shape, stride=torch.empty(obj.shape, device="meta").stride())
+
+
+def _dcp_rank(rank: int, world: int, port: int, name: str, path: str, metadata: dict, errors: str) -> None:
+    """One process of a DCP golden: builds the case's full tensors, saves its part of them."""
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        import te_serial.dcp as tdcp
+        import te_serial.dcp.storage as dcp_storage
+        from datetime import timedelta
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        mesh = init_device_mesh("cpu", (world,))
+        case = CASES[name]
+        state = _sharded(case.build(), case.shards, world, rank, mesh)
+        # the coordinator draws the save id (it goes into every rank's shard names): pinned to SAVE_ID
+        with mock.patch.object(dcp_storage, "secrets", types.SimpleNamespace(token_hex=lambda nbytes=None: SAVE_ID)):
+            tdcp.save(state, path, metadata=metadata)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        import traceback
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def dcp_save(name: str, path: Path, metadata: dict) -> None:
+    """Save case ``name`` with ``te_serial.dcp.save`` from ``dcp_world`` processes (gloo on CPU)."""
+    import torch.multiprocessing as mp
+    world = CASES[name].dcp_world
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as errors:
+        procs = [ctx.Process(target=_dcp_rank, args=(r, world, port, name, str(path), metadata, errors))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(300)
+        failed = [(r, proc.exitcode) for r, proc in enumerate(procs) if proc.exitcode != 0]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        if failed:
+            reports = "\n".join(p.read_text() for p in sorted(Path(errors).iterdir()))
+            raise RuntimeError(f"DCP save of {name} failed on ranks {failed}:\n{reports}")
+
+
+def _check_dcp_two_ranks(path: Path, record: dict, manifest) -> None:
+    """Every quantized tensor is chunked; each sharded tensor has a piece from each process (in its
+    own shard file) in every buffer that is not tensor-wide; the grouped tensor one piece per
+    buffer; the replicated plain tensor is stored whole."""
+    shards = record["shards"]
+    assert len(shards) == 2, shards
+    for n, t in record["tensors"].items():
+        pieces = {b: w.get("pieces") for b, w in t["buffers"].items()}
+        if t["quantizer"] is not None:
+            assert all(p is not None for p in pieces.values()), n
+        if n in DCP_SHARDS:
+            spread = [b for b, p in pieces.items() if len(p) == 2 and {pc["file"] for pc in p} == set(shards)]
+            assert spread and all(len(p) == 1 and p[0]["sizes"] == [1] for b, p in pieces.items() if b not in spread), n
+    assert all(len(w["pieces"]) == 1 for w in record["tensors"]["model.experts"]["buffers"].values())
+    assert len(record["tensors"]["model.nvfp4.row_scaled"]["buffers"]["_amax_rowwise"]["pieces"]) == 2
+    assert "pieces" not in record["tensors"]["model.norm"]["buffers"]["data"]
+
+
+def _check_mxfp8_e8m0_edges(path: Path, record: dict, manifest) -> None:
+    """The scale bytes the case is for are there: 0, 254 and 255 in both usages."""
+    loaded = ts.load_quantized(path)
+    found = {}
+    for n, t in loaded.items():
+        for b in ("_rowwise_scale_inv", "_columnwise_scale_inv"):
+            s = getattr(t, b, None)
+            if s is not None:
+                found.setdefault(b, set()).update(s.view(torch.uint8).unique().tolist())
+    for b in found:
+        assert {0, 255} <= found[b], (b, found[b])
+    assert {254} <= found["_rowwise_scale_inv"] & found["_columnwise_scale_inv"]
+    for n in ("nan_scale", "nan_scale_columnwise"):
+        assert int(torch.isnan(loaded[n].dequantize(torch.float32)).sum()) == 32, n
+    assert int(torch.isinf(loaded["zero_scale"].dequantize(torch.float32)).sum()) == 2
 
 
 def _check_dir_two_shards(path: Path, record: dict, manifest) -> None:
@@ -786,13 +1058,15 @@ def _check_no_checksums(path: Path, record: dict, manifest) -> None:
 
 
 CASE_CHECKS = {"dir_two_shards": _check_dir_two_shards, "tied_quantized": _check_tied_quantized,
-               "no_checksums": _check_no_checksums}
+               "no_checksums": _check_no_checksums, "dcp_two_ranks": _check_dcp_two_ranks,
+               "mxfp8_e8m0_edges": _check_mxfp8_e8m0_edges}
 
 
 def _self_check(path: Path, record: dict, extra_states: list) -> None:
     """The checkpoint reads back (through te-serial) as the record says."""
-    if record["checksums"]:
-        assert ts.verify(path) == sum(len({b["key"] for b in t["buffers"].values()})
+    if record["checksums"]:  # every stored entry: a whole buffer, or each piece of a chunked one
+        assert ts.verify(path) == sum(len({b["key"] for b in t["buffers"].values() if "pieces" not in b})
+                                      + sum(len(b.get("pieces", ())) for b in t["buffers"].values())
                                       for t in record["tensors"].values())
     else:
         try:
@@ -811,7 +1085,7 @@ def _self_check(path: Path, record: dict, extra_states: list) -> None:
             values = t.quantizer.value_dtypes()
             for bname, b in t.buffers().items():
                 assert digest(b.view(values[bname])) == want["buffers"][bname]["xxh3_64"], (n, bname)
-            assert digest(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"], n
+            assert digest_values(t.dequantize(torch.float32)) == want["dequantized_float32_xxh3_64"], n
     # te-serial decodes each TE pickle to the state built here (recipe fields, enum members, tensors)
     from te_serial.te.extra_state import decode_te_extra_state
     for want in extra_states:

@@ -39,6 +39,8 @@ from . import tree as tree_mod
 
 FORMAT = "te-serial"
 VERSION = (1, 3)
+#: the format version that added the manifest checksum (``manifest_checksum``, schema/README.md §8)
+CHECKSUM_VERSION = (1, 1)
 #: the format version that added chunked tensors (``tensors.chunks``, schema/README.md §13)
 CHUNKS_VERSION = (1, 2)
 #: the format version that added grouped (MoE) tensors (quantizer kind ``grouped``, schema/README.md §14)
@@ -449,6 +451,11 @@ class Manifest:
                 gc.enable()
 
 
+def _newer_field(what: str, since: tuple[int, int], version: tuple[int, ...]) -> str:
+    return (f"{what} needs format {since[0]}.{since[1]}, the manifest says {version[0]}.{version[1]}: a field newer "
+            "than the manifest's version")
+
+
 def _small_ints(rows: list[list]) -> bytes | None:
     """The values of ``rows`` as bytes, where every one is an int in [0, 256) (file and prototype
     indices, nearly always): one C-level pass that also proves them ints; None otherwise."""
@@ -506,6 +513,7 @@ class _Decoder:
         except (ValueError, TypeError) as e:  # a value no JSON type describes (bytes, ext types)
             self.fail(f"manifest holds a value of no JSON type: {e}")
         self.require_ints(doc)
+        self.check_field_versions(doc, has_trailer=seal_ok is not None)
         files = {}
         for f in doc["files"]:
             if f["name"] in files:
@@ -728,6 +736,11 @@ class _Decoder:
                 if q_idx in bad_quantizers:
                     raise ManifestError(bad_quantizers[q_idx])
                 q = quantizers[q_idx] if q_idx is not None else None
+                if self.file_bytes is not None:  # the declared buffers, before anything is built from them
+                    for b in d["buffers"]:
+                        if math.prod(b["shape"]) * dtype_from_name(b["dtype"]).itemsize > self.file_bytes:
+                            raise ManifestError(f"buffer {b['name']} of shape {list(b['shape'])} needs more bytes "
+                                                f"than the checkpoint's files hold ({self.file_bytes})")
                 proto = TensorProto(tuple(d["shape"]), dtype_from_name(d["dtype"]), q, d["requires_grad"])
                 storage = d.get("storage")
                 if storage is not None:
@@ -735,15 +748,12 @@ class _Decoder:
                         raise ManifestError("a plain tensor has no storage class")
                     if resolve_storage(storage) not in (q.tensor_class, q.storage_class):
                         raise ManifestError(f"storage {storage!r} does not hold {q.kind} tensors")
+                if q is None and d.get("scale_layout") is not None:  # the schema allows "compact" or nil
+                    raise ManifestError("a plain tensor has no scale layout")
                 want = expected_buffers(proto)
                 for b, (s, dt) in want.items():
                     if not addressable(s, dt.itemsize):
                         raise ManifestError(f"buffer {b} of shape {list(s)} is larger than torch can lay out")
-                if self.file_bytes is not None:
-                    for b, (s, dt) in want.items():
-                        if math.prod(s) * dt.itemsize > self.file_bytes:
-                            raise ManifestError(f"buffer {b} of shape {list(s)} needs more bytes than the "
-                                                f"checkpoint's files hold ({self.file_bytes})")
                 got = [(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"])) for b in d["buffers"]]
                 expect = [(name, s, dt) for name, (s, dt) in want.items()]
                 if got != expect:
@@ -758,6 +768,23 @@ class _Decoder:
                 protos.append(None)
                 bad[i] = str(e)
         return protos, bad
+
+    def check_field_versions(self, doc: dict, *, has_trailer: bool) -> None:
+        """Every field added after format 1.0 needs a manifest of its version or later
+        (schema/README.md §10, "Field versions"): ``manifest_checksum`` 1.1, quantizer fields a format
+        added later (``Quantizer.FIELD_VERSIONS``, in grouped members too). ``tensors.chunks`` (1.2) and
+        kind ``grouped`` (1.3) are checked where they are read."""
+        version = tuple(doc["version"])
+        if version < CHECKSUM_VERSION and (has_trailer or MANIFEST_CHECKSUM in doc):
+            self.fail(_newer_field(MANIFEST_CHECKSUM, CHECKSUM_VERSION, version), field=MANIFEST_CHECKSUM)
+        for i, qd in enumerate(doc["quantizers"]):
+            where = f"quantizers/{i}"
+            while isinstance(qd, dict):
+                cls = QUANTIZER_REGISTRY.get(qd.get("kind"))
+                for name, since in getattr(cls, "FIELD_VERSIONS", {}).items():
+                    if name in qd and version < since:
+                        self.fail(_newer_field(f"{cls.kind} field {name}", since, version), field=f"{where}/{name}")
+                qd, where = qd.get("member"), f"{where}/member"
 
     def check_grouped(self, doc: dict) -> None:
         """Grouped quantizers need format 1.3, and all of them together list at most

@@ -46,6 +46,9 @@ class Quantizer(LayoutRules, QuantizeEngine):
     kind: ClassVar[str] = ""
     #: fields added by a later minor format version: written only when not at their default
     LATER_FIELDS: ClassVar[frozenset[str]] = frozenset()
+    #: field → the format version (major, minor) that added it, for every field added after 1.0: a
+    #: manifest of an older version holding the field is refused (schema/README.md §10)
+    FIELD_VERSIONS: ClassVar[Mapping[str, tuple[int, int]]] = {}
     #: class returned by ``quantize(internal=True)`` and ``quantize()`` respectively
     storage_class: ClassVar[type["QuantizedTensorStorage"]]
     tensor_class: ClassVar[type["QuantizedTensor"]]
@@ -255,6 +258,12 @@ class Quantizer(LayoutRules, QuantizeEngine):
                 raise FormatError(f"{cls.__name__} field {k} must be {types[k]}, got {v!r}")
             kwargs[k] = v
         try:
-            return cls(**kwargs)
+            q = cls(**kwargs)
         except (TypeError, ValueError) as e:
             raise FormatError(f"bad fields for {cls.__name__}: {e}") from None
+        q._check_fields(data)
+        return q
+
+    def _check_fields(self, data: Mapping[str, Any]) -> None:
+        """Raise :class:`FormatError` where the fields as written (``data``) break a rule the built
+        quantizer cannot see (it may have derived a field from another): none by default."""

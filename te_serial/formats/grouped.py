@@ -175,6 +175,14 @@ class GroupedQuantizer(Quantizer):
         super().__post_init__()
         object.__setattr__(self, "_shape", grouped_shape(shapes))
 
+    def _check_fields(self, data: Mapping[str, Any]) -> None:
+        """As read from a manifest: ``rowwise`` / ``columnwise`` are the member's (plain members: true /
+        false), never other values the constructor would silently replace."""
+        for k in ("rowwise", "columnwise"):
+            if k in data and data[k] != getattr(self, k):
+                whose = "the member quantizer's" if self.member is not None else "plain members'"
+                raise FormatError(f"GroupedQuantizer field {k} must be {whose} ({getattr(self, k)}), got {data[k]!r}")
+
     def __repr__(self) -> str:
         shapes = ", ".join(map(str, self.member_shapes[:3])) + (", …" if self.num_tensors > 3 else "")
         inner = repr(self.member) if self.member is not None else f"dtype={dtype_name(self.dtype)}"

@@ -123,8 +123,9 @@ class NVFP4Quantizer(Quantizer):
 
     kind: ClassVar[str] = "nvfp4"
     #: format 1.3: a 1.2 reader still reads every NVFP4 tensor that leaves them at their defaults
-    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"row_scaled_nvfp4", "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode"})
+    FIELD_VERSIONS: ClassVar[Mapping[str, tuple[int, int]]] = {
+        f: (1, 3) for f in ("row_scaled_nvfp4", "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode")}
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset(FIELD_VERSIONS)
     storage_class: ClassVar[type] = NVFP4TensorStorage
     tensor_class: ClassVar[type] = NVFP4Tensor
 
@@ -140,8 +141,12 @@ class NVFP4Quantizer(Quantizer):
 
     def __post_init__(self) -> None:
         """TE's rules for the variants (NVFP4Quantizer.__init__, csrc/quantizer.cpp quantize_impl,
-        common/cast/dispatch/quantize.cuh), refused here with the field that breaks them."""
+        common/cast/dispatch/quantize.cuh), refused here with the field that breaks them; the list is
+        schema/README.md §7.4's."""
         super().__post_init__()
+        if self.with_rht and not self.with_post_rht_amax:
+            raise FormatError("NVFP4Quantizer: with_rht=True needs with_post_rht_amax=True (TE's quantize_impl: "
+                              "'Pre-RHT amax is not supported yet')")
         mode = self.nvfp4_4over6_err_mode
         if not isinstance(mode, str) or mode.upper() not in ("MAE", "MSE"):
             raise FormatError(f"NVFP4Quantizer: nvfp4_4over6_err_mode must be 'MAE' or 'MSE', got {mode!r}")
