@@ -52,10 +52,11 @@ take quantize_model's shared amax: the first member quantized reads its group pa
 checkpoint files (cast to the load dtype, as transformers casts them) and computes it with
 quantize_model's own code; the partners then use it, so a group costs one extra read of its members.
 
-Not in this module yet: ``save_pretrained`` (``te_serial.save_quantized(model, dir)`` writes a
-directory ``from_pretrained`` loads; ``model.save_pretrained`` names it), grouped (MoE) tensors,
-checkpoint keys the model's conversion mapping renames, hub repositories (the directory must be local:
-``te_serial.msgpack`` is not among the files transformers downloads) and disk offload.
+``model.save_pretrained`` of a loaded model writes a te-serial directory (``te_serial.model``'s
+``_te_serial_save_pretrained``: ``save_quantized`` plus ``generation_config.json``), which loads back
+to the same bytes. Not in this module yet: grouped (MoE) tensors, checkpoint keys the model's
+conversion mapping renames, hub repositories (the directory must be local: ``te_serial.msgpack`` is
+not among the files transformers downloads) and disk offload.
 """
 
 from __future__ import annotations
@@ -414,7 +415,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         protos = {n: to_tensor_proto(p) for n, p in model.named_parameters()
                   if isinstance(p, QuantizedTensorStorage)}
         if protos:
-            _guard_save_pretrained(model)  # save_pretrained names te_serial.save_quantized
+            _guard_save_pretrained(model)  # save_pretrained writes a te-serial directory
         if not self.pre_quantized:  # the config says what the model now holds
             held = quantization_config(protos) or {}
             self.quantization_config.modules = held.get("modules", {})

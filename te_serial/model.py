@@ -124,22 +124,50 @@ def _hf_ignored(model: nn.Module, names: list[str], which: str) -> list[str]:
     return [n for n in names if rx.search(n) is None]
 
 
-def _refusing_save_pretrained(self: nn.Module, *args, **kwargs):
+def _te_serial_save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args,
+                               max_shard_size: int | str = "5GB", safe_serialization: bool = True,
+                               is_main_process: bool = True, push_to_hub: bool = False, **kwargs):
+    """``save_pretrained`` of a model holding te-serial tensors: a te-serial checkpoint directory
+    (``save_quantized``: shards of at most ``max_shard_size``, the manifest, ``config.json`` with
+    its ``quantization_config``, the weight index ``from_pretrained`` reads through
+    ``te_serial.hf``) plus ``generation_config.json``. A model without them saves as transformers
+    does. ``push_to_hub`` goes through this method too (transformers' ``push_to_hub`` calls it)."""
     quantized = [n for n, p in self.named_parameters() if isinstance(p, QuantizedTensorStorage)]
-    if quantized:
-        raise UnsupportedOperationError(
-            f"this model holds {len(quantized)} te-serial quantized tensors (e.g. {quantized[0]!r}), which "
-            "save_pretrained cannot write. Use te_serial.save_quantized(model, path) (it records model.config); "
-            "te_serial.convert(path, out, recipe='bf16') (or a serving layout such as "
-            "'compressed_tensors_fp8') then writes a Hugging Face directory from it")
-    return type(self).save_pretrained(self, *args, **kwargs)
+    if not quantized:
+        return type(self).save_pretrained(self, save_directory, *args, max_shard_size=max_shard_size,
+                                          safe_serialization=safe_serialization, is_main_process=is_main_process,
+                                          push_to_hub=push_to_hub, **kwargs)
+    if not safe_serialization:
+        raise UnsupportedOperationError("safe_serialization=False would pickle; te-serial writes safetensors "
+                                        "buffers and a msgpack manifest only")
+    if push_to_hub:
+        raise UnsupportedOperationError("save_pretrained(push_to_hub=True) of a te-serial model: call "
+                                        "model.push_to_hub(repo_id), which saves through this method and uploads")
+    unknown = sorted(set(kwargs) - _HF_SAVE_OPTIONS)
+    if unknown or args:
+        raise UnsupportedOperationError(f"save_pretrained of a te-serial model takes save_directory, "
+                                        f"max_shard_size and safe_serialization; got {unknown or list(args)}")
+    if not is_main_process:
+        return None
+    from .checkpoint.writer import save_quantized
+    save_quantized(self, save_directory, max_shard_size=max_shard_size)
+    generation = getattr(self, "generation_config", None)
+    can_generate = getattr(self, "can_generate", lambda: False)
+    if generation is not None and can_generate():
+        generation.save_pretrained(save_directory)
+    return None
+
+
+#: transformers' save_pretrained options a te-serial save has no use for (the hub token: uploads are
+#: push_to_hub's)
+_HF_SAVE_OPTIONS = frozenset({"token"})
 
 
 def _guard_save_pretrained(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` name ``te_serial.save_quantized`` while the model holds
-    te-serial tensors (transformers would fail on their storage with an unrelated message)."""
+    """Make ``model.save_pretrained`` write a te-serial checkpoint while the model holds te-serial
+    tensors (transformers would fail on their storage with an unrelated message)."""
     if _is_hf(model) and "save_pretrained" not in model.__dict__:
-        model.__dict__["save_pretrained"] = types.MethodType(_refusing_save_pretrained, model)
+        model.__dict__["save_pretrained"] = types.MethodType(_te_serial_save_pretrained, model)
 
 
 # --- what is left on meta -------------------------------------------------------------------------

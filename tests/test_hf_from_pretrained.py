@@ -185,9 +185,7 @@ def test_dtype_and_device_maps(tmp_path):
     path = _te_dir(tmp_path / "ck", "qwen2", "nvfp4", True)
     cfg = _config("qwen2", False)
     want = ts.load_into(_meta_model(cfg), path)
-    # load_into into an FP32 model casts plain tensors saved with requires_grad under autograd and fails
-    # (te-serial's own bug, HEAD too): the reference is the BF16 load cast, which keeps quantized bytes
-    want32 = ts.load_into(_meta_model(cfg), path).to(torch.float32)
+    want32 = ts.load_into(_meta_model(cfg, torch.float32), path)
     got32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
     w = got32.model.layers[0].mlp.up_proj.weight
     assert isinstance(w, tsf.NVFP4Tensor) and w.dtype == torch.float32  # the model's dtype, nominally
@@ -202,8 +200,8 @@ def test_dtype_and_device_maps(tmp_path):
 def test_a_loaded_model_trains_adapters_and_saves_through_save_quantized(tmp_path):
     path = _te_dir(tmp_path / "ck", "llama", "mxfp8", True)
     got = AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(tse.UnsupportedOperationError, match=r"te_serial\.save_quantized"):
-        got.save_pretrained(tmp_path / "nope")
+    with pytest.raises(tse.UnsupportedOperationError, match="pickle"):
+        got.save_pretrained(tmp_path / "nope", safe_serialization=False)
     ts.save_quantized(got, tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"] == \
         json.loads((path / "config.json").read_text())["quantization_config"]
@@ -339,3 +337,56 @@ def test_config_values_are_checked(bf16_dirs):
     assert TeSerialConfig.from_dict(json.loads(json.dumps(config.to_dict()))).to_dict() == config.to_dict()
     with pytest.raises(tse.FormatError, match="needs a recipe"):
         AutoModelForCausalLM.from_pretrained(bf16_dirs["llama"], quantization_config=TeSerialConfig())
+
+
+def test_save_pretrained_round_trips_and_push_to_hub_goes_through_it(tmp_path, monkeypatch):
+    """save_pretrained of a te-serial model writes a te-serial directory (sharded as asked, with
+    config.json, generation_config.json and the weight index) that from_pretrained loads to the same
+    bytes; push_to_hub saves through it (the upload itself stubbed: no network here)."""
+    path = _te_dir(tmp_path / "ck", "qwen2", "nvfp4", False)
+    got = AutoModelForCausalLM.from_pretrained(path)
+    got.save_pretrained(tmp_path / "out", max_shard_size="200KB")
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"te_serial.msgpack", "config.json", "generation_config.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    _assert_same_model(again, got)
+    _assert_same_logits(again, got)
+    import transformers.utils.hub as hub
+    uploaded = {}
+
+    class _Api:
+        def create_repo(self, repo_id, **kw):
+            return type("Repo", (), {"repo_id": repo_id})()
+    monkeypatch.setattr(hub, "hf_api", lambda: _Api())
+    monkeypatch.setattr(hub, "create_and_tag_model_card",
+                        lambda *a, **k: type("Card", (), {"save": lambda self, p: None})())
+    monkeypatch.setattr(type(got), "_upload_modified_files",
+                        lambda self, d, repo_id, **kw: uploaded.update({p.name: p.stat().st_size for p in Path(d).iterdir()}))
+    got.push_to_hub("someone/tiny-qwen2-nvfp4", max_shard_size="200KB")
+    assert "te_serial.msgpack" in uploaded and "config.json" in uploaded
+
+
+def test_pipeline_and_generate_on_a_loaded_model(tmp_path):
+    """generate with the KV cache, and pipeline("text-generation") built on the loaded model, give
+    the same tokens as the load_into model (greedy)."""
+    from transformers import pipeline
+    path = _te_dir(tmp_path / "ck", "llama", "fp8_block", True)
+    got = AutoModelForCausalLM.from_pretrained(path)
+    want = ts.load_into(_meta_model(_config("llama", True)), path)
+    ids = _ids()[:, :8]
+    out = got.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(out, want.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True))
+    assert out.shape[1] == ids.shape[1] + 6
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(SMALL["vocab_size"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0", eos_token="t1")
+    prompt = " ".join(f"t{int(i)}" for i in ids[0])
+    pipe = pipeline("text-generation", model=got, tokenizer=tok)
+    text = pipe(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+    prompt_ids = torch.tensor([tok(prompt)["input_ids"]])
+    expect = want.generate(prompt_ids, max_new_tokens=6, do_sample=False)[0, prompt_ids.shape[1]:]
+    assert text == tok.decode(expect) and len(expect) == 6

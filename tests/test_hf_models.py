@@ -353,8 +353,8 @@ def test_back_to_hugging_face(dirs, tmp_path):
     model = _meta_model(cfg)
     ts.quantize_model(model, "mxfp8", columnwise=False)
     ts.load_into(model, dirs["qwen2_tied"])
-    with pytest.raises(tse.UnsupportedOperationError, match=r"te_serial\.save_quantized"):
-        model.save_pretrained(tmp_path / "nope")
+    with pytest.raises(tse.UnsupportedOperationError, match="pickle"):
+        model.save_pretrained(tmp_path / "nope", safe_serialization=False)
     manifest = ts.save_quantized(model, tmp_path / "ck")
     saved = json.loads(manifest.metadata["hf_config"])  # plain JSON text in the manifest's metadata
     assert saved["model_type"] == "qwen2" and saved["architectures"] == ["Qwen2ForCausalLM"]
