@@ -4,6 +4,8 @@
                                        # cast and vs the eager path; compile time; dequantize
     python tools/bench.py io           # the I/O regression guard (< 1 min): open / first read / save / load
                                        # vs safetensors in one run; --against REV measures a commit beside
+    python tools/bench.py hf           # transformers' from_pretrained of a te-serial checkpoint vs load_into
+                                       # and vs from_pretrained of the BF16 model; peak RSS
     python tools/bench.py ckpt         # save / load of ~1 GiB vs safetensors and torch.load; 10k-tensor open
     python tools/bench.py model        # peak RSS of materializing a meta model from a ~2 GiB MXFP8 checkpoint;
                                        # a ~2 GiB BF16 HF directory quantized on load vs convert + load_into
@@ -658,16 +660,18 @@ def main(argv=None) -> int:
     d.add_argument("--repeat", type=int, default=5)
     d.add_argument("--dir", default=None)
     import bench_convert  # noqa: E402 - tools/ is this script's directory
+    import bench_hf  # noqa: E402
     import bench_io  # noqa: E402
     bench_convert.add_parser(sub)
     bench_io.add_parser(sub)
+    bench_hf.add_parser(sub)
     e = sub.add_parser("export", help="NVFP4 / MXFP8 checkpoints into every serving layout vs a safetensors copy; "
                                       "export_tensors GB/s")
     e.add_argument("--export-gib", type=float, default=1.0, help="size of each source (GiB)")
     e.add_argument("--export-shape", default="8192x4096", help="its tensors' shape")
     e.add_argument("--repeat", type=int, default=3, help="runs of each side (median)")
     e.add_argument("--dir", default=None, help="where to write on disk (default: the system temp dir)")
-    for p in (q, c, m, d, e, *(sub.choices[k] for k in ("convert", "io") if k in sub.choices)):
+    for p in (q, c, m, d, e, *(sub.choices[k] for k in ("convert", "io", "hf") if k in sub.choices)):
         p.add_argument("--no-record", action="store_true", help="do not write the figures into docs/benchmarks.md")
     args = parser.parse_args(argv)
     out = _Tee(sys.stdout)
@@ -680,8 +684,9 @@ def main(argv=None) -> int:
 
 def _run(args) -> None:
     import bench_convert  # noqa: E402 - tools/ is this script's directory
+    import bench_hf  # noqa: E402
     import bench_io  # noqa: E402
-    {"quantize": bench_quantize, "io": bench_io.run, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
+    {"quantize": bench_quantize, "io": bench_io.run, "hf": bench_hf.run, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run,
      "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)
 

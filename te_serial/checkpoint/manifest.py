@@ -257,7 +257,7 @@ class Manifest:
     proto_index: list[int]                 # per tensor
     files: dict[str, int]                  # file name → size, in file-index order
     file_index: list[list[int]]            # per tensor, per buffer
-    checksums: list[list[int]] | None      # per tensor, per buffer
+    checksum_column: Any                   # per tensor, per buffer: list, None, or still deferred (see checksums)
     aliases: dict[int, int] = field(default_factory=dict)
     tree: Any = None                       # None: a flat dict of all tensors, in table order
     metadata: dict[str, str] = field(default_factory=dict)
@@ -266,6 +266,17 @@ class Manifest:
     skipped: dict[str, str] = field(default_factory=dict)  # non-strict reads: name → reason
     #: format 1.2: tensor row → per buffer (flatten order) its pieces; such a row's files are []
     chunks: dict[int, list[list[Piece]]] = field(default_factory=dict)
+    source: str | None = None              # the file a decoded manifest came from (named by its errors)
+
+    @property
+    def checksums(self) -> list[list[int]] | None:
+        """Per tensor, per buffer, the XXH3-64 of its bytes (None: saved without). A decoded
+        manifest keeps this column as bytes until first used (:class:`tree.DeferredColumn`); it is
+        decoded and checked then, and a flaw is a ManifestError naming the tensor."""
+        col = self.checksum_column
+        if isinstance(col, tree_mod.DeferredColumn):
+            col = self.checksum_column = _checked_checksums(col.raw, self)
+        return col
 
     def __post_init__(self) -> None:
         self._index = ({n: i for i, n in enumerate(self.names) if n not in self.skipped} if self.skipped
@@ -456,6 +467,43 @@ def _newer_field(what: str, since: tuple[int, int], version: tuple[int, ...]) ->
             "than the manifest's version")
 
 
+def _checked_checksums(raw: bytes, m: "Manifest") -> list[list[int]]:
+    """A deferred checksums column, decoded and held to what the decoder checks of every column:
+    the schema's rule, ints only, a row per tensor with a checksum per stored buffer (none for a
+    chunked tensor, whose pieces carry theirs)."""
+    where = "tensors/checksums"
+    col = tree_mod.unpack_column(raw, source=m.source, field=where)
+    try:
+        _column_validator("checksums").validate(col)
+    except jsonschema_rs.ValidationError as e:
+        path = "/".join(map(str, e.instance_path))
+        raise ManifestError(f"manifest breaks the schema at /{where}/{path}: {e.message}", file=m.source,
+                            field=where) from None
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"manifest holds a value of no JSON type: {e}", file=m.source, field=where) from None
+    if len(col) != len(m.names):
+        raise ManifestError("tensor columns have different lengths", file=m.source, field=where)
+    if not set(map(type, itertools.chain.from_iterable(col))) <= {int}:
+        bad = next(i for i, row in enumerate(col) if not set(map(type, row)) <= {int})
+        raise ManifestError("holds a number that is not an integer", file=m.source, field=where, tensor=m.names[bad])
+    want = [0 if m.chunks and i in m.chunks else len(m._layout(m.proto_index[i])) if m.names[i] not in m.skipped
+            else None for i in range(len(m.names))]
+    got = list(map(len, col))
+    if got != want:
+        for i, (a, b) in enumerate(zip(got, want)):
+            if b is not None and a != b:
+                raise ManifestError(f"{a} checksums for a tensor with {b} stored buffers", file=m.source,
+                                    field=where, tensor=m.names[i])
+    return col
+
+
+@functools.lru_cache(maxsize=4)
+def _column_validator(column: str):
+    """The schema's rule for one ``tensors`` column, alone (with the schema's definitions)."""
+    rule = schema()["properties"]["tensors"]["properties"][column]
+    return jsonschema_rs.validator_for({"$defs": schema().get("$defs", {}), **rule})
+
+
 def _small_ints(rows: list[list]) -> bytes | None:
     """The values of ``rows`` as bytes, where every one is an int in [0, 256) (file and prototype
     indices, nearly always): one C-level pass that also proves them ints; None otherwise."""
@@ -505,8 +553,10 @@ class _Decoder:
             self.fail(f"a format {doc['version'][0]}.{doc['version'][1]} manifest must end with its "
                       f"{MANIFEST_CHECKSUM}", field=MANIFEST_CHECKSUM)
         tree = doc.pop("tree", None)
-        try:
-            _validator().validate(doc)
+        cols = doc.get("tensors")
+        deferred = type(cols) is dict and isinstance(cols.get("checksums"), tree_mod.DeferredColumn)
+        try:  # a deferred column is checked against its schema rule when it is first used
+            _validator().validate(dict(doc, tensors={**cols, "checksums": []}) if deferred else doc)
         except jsonschema_rs.ValidationError as e:
             path = "/".join(map(str, e.instance_path))
             self.fail(f"manifest breaks the schema at /{path}: {e.message}", field=path or None)
@@ -535,7 +585,8 @@ class _Decoder:
         protos, bad_protos = self.protos(doc["protos"], quantizers, bad_quantizers)
         cols = doc["tensors"]
         names, proto_index, file_index = cols["names"], cols["protos"], cols["files"]
-        checksums = cols.get("checksums")
+        checksum_column = cols.get("checksums")
+        checksums = None if deferred else checksum_column   # the rows to check now (deferred: at first use)
         n = len(names)
         if len(proto_index) != n or len(file_index) != n or (checksums is not None and len(checksums) != n):
             self.fail("tensor columns have different lengths", field="tensors")
@@ -580,7 +631,7 @@ class _Decoder:
             aliases[a] = b
         if any(b in aliases for b in aliases.values()):
             self.fail("an alias points to another alias", field="tensors/aliases")
-        chunks = self.chunks(chunk_col, names, protos, proto_index, aliases, skipped, checksums is not None,
+        chunks = self.chunks(chunk_col, names, protos, proto_index, aliases, skipped, checksum_column is not None,
                              n_files) if chunk_col is not None else {}
         self.check_keys_unique(names, protos, proto_index, aliases, skipped)
         if chunks:
@@ -594,8 +645,9 @@ class _Decoder:
             unknown = [r for r in refs if r not in known]
             if unknown:
                 self.fail(f"tree refers to tensors not in the table: {unknown[:5]}", field="tree")
-        return Manifest(names, protos, proto_index, files, file_index, checksums, aliases, tree,
-                        dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped, chunks)
+        return Manifest(names, protos, proto_index, files, file_index, checksum_column, aliases, tree,
+                        dict(doc["metadata"]), dict(doc["producer"]), tuple(doc["version"]), skipped, chunks,
+                        source=self.source)
 
     def chunks(self, col: list, names, protos, proto_index, aliases, skipped, has_sums: bool,
                n_files: int) -> dict[int, list[list[Piece]]]:
@@ -707,8 +759,9 @@ class _Decoder:
                 check(b["shape"], f"protos/{i}/buffers/{j}/shape")
         cols = doc["tensors"]
         chain = itertools.chain.from_iterable
+        sums = cols.get("checksums")
         for column, rows in (("protos", [cols["protos"]]), ("files", cols["files"]),
-                             ("checksums", cols.get("checksums") or [])):
+                             ("checksums", sums if type(sums) is list else [])):
             if _small_ints(rows) is None and not ints(chain(rows)):  # slow path on failure: name the tensor
                 for i, row in enumerate(cols[column]):
                     if not ints(row if isinstance(row, list) else [row]):

@@ -261,6 +261,10 @@ def unpack_manifest(data: bytes, *, source: Optional[str] = None) -> dict:
                 stream.skip()
                 u.ext_allowed = True
                 doc[key] = u.unpackb(data[start:stream.tell()])
+            elif key == "tensors":
+                start = stream.tell()
+                stream.skip()
+                doc[key] = _unpack_columns(data[start:stream.tell()], u, limits)
             else:
                 doc[key] = stream.unpack()
         if stream.tell() != len(data):
@@ -275,6 +279,60 @@ def unpack_manifest(data: bytes, *, source: Optional[str] = None) -> dict:
             raise u.fail("a msgpack extension type or timestamp outside the manifest's tree "
                          "(te-serial writes extension types only inside 'tree')") from None
         raise u.fail(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
+    except _MSGPACK_ERRORS as e:
+        raise u.fail(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+@dataclass(frozen=True)
+class DeferredColumn:
+    """A manifest column kept as its msgpack bytes until first used (the checksums: a uint64 per
+    buffer, most of a manifest's decoding and validation, and needed only to verify a read).
+    The manifest's own checksum already covers these bytes; :meth:`Manifest.checksums` decodes and
+    validates them on first access."""
+
+    raw: bytes
+
+
+#: the ``tensors`` columns decoded only when first used
+DEFERRED_COLUMNS = frozenset({"checksums"})
+
+
+def _unpack_columns(raw: bytes, u: "_Unpacker", limits: dict) -> Any:
+    """The ``tensors`` field: a map whose deferred columns stay bytes (nil stays None); anything
+    else is decoded as any field is (and left for the schema to refuse if it is not a map)."""
+    if not raw or not (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF)):
+        return msgpack.unpackb(raw, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False,
+                               strict_map_key=False, use_list=True, timestamp=0, **limits)
+    sub = msgpack.Unpacker(None, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False, strict_map_key=False,
+                           use_list=True, timestamp=0, max_buffer_size=max(len(raw), 1), **limits)
+    sub.feed(raw)
+    cols: dict = {}
+    for _ in range(sub.read_map_header()):
+        key = sub.unpack()
+        if type(key) is not str:
+            raise u.fail(f"a tensors column name {_short(key)} that is not a str")
+        if key in cols:
+            raise u.fail(f"a map with the key {_short(key)} more than once")
+        if key in DEFERRED_COLUMNS:
+            start = sub.tell()
+            sub.skip()
+            body = raw[start:sub.tell()]
+            cols[key] = None if body == b"\xc0" else DeferredColumn(body)
+        else:
+            cols[key] = sub.unpack()
+    return cols
+
+
+def unpack_column(raw: bytes, *, source: Optional[str] = None, field: Optional[str] = None) -> Any:
+    """A deferred column's value, decoded as :func:`unpack_manifest` decodes fields (no extension
+    types, the same limits); a malformation is a :class:`ManifestError` naming ``field``."""
+    u = _Unpacker(source)
+    u.field, u.ext_allowed = field, False
+    try:
+        return msgpack.unpackb(raw, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False, strict_map_key=False,
+                               use_list=True, timestamp=0, **dict(UNPACK_LIMITS, max_ext_len=0))
+    except ManifestError:
+        raise
     except _MSGPACK_ERRORS as e:
         raise u.fail(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
 

@@ -50,10 +50,18 @@ def _recompute_buffers(doc, tensor=T):
 MANIFEST_CASES: list = []
 
 
-def case(id: str, exc=ManifestError, forms=("dir", "file"), xfail: str | None = None):
+#: ids of the manifest edits found at the first read of a tensor (and by verify), not at open: they
+#: damage the checksums column, which open keeps as bytes until it is used (the manifest's own
+#: checksum still covers it)
+FOUND_AT_FIRST_READ: set[str] = set()
+
+
+def case(id: str, exc=ManifestError, forms=("dir", "file"), xfail: str | None = None, at_open: bool = True):
     """Registers ``fn(doc, ck) -> needles`` as a manifest edit that must raise ``exc``."""
     def deco(fn):
         for f in forms:
+            if not at_open:
+                FOUND_AT_FIRST_READ.add(f"{id}-{f}")
             marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
             MANIFEST_CASES.append(pytest.param(fn, exc, f, id=f"{id}-{f}", marks=marks))
         return fn
@@ -492,19 +500,19 @@ def _(doc, ck):
     return [ck.source, T]
 
 
-@case("checksum-row-too-short")
+@case("checksum-row-too-short", at_open=False)
 def _(doc, ck):
     doc["tensors"]["checksums"][_ti(doc)].pop()
     return [ck.source, T]
 
 
-@case("checksum-negative")
+@case("checksum-negative", at_open=False)
 def _(doc, ck):
     doc["tensors"]["checksums"][_ti(doc)][0] = -1
     return [ck.source, "checksums"]
 
 
-@case("checksum-string")
+@case("checksum-string", at_open=False)
 def _(doc, ck):
     doc["tensors"]["checksums"][_ti(doc)][0] = "xxh3_64:0123456789abcdef"
     return [ck.source, "checksums"]
