@@ -50,7 +50,7 @@ print(json.dumps({"seconds": seconds, "rss": hwm}))
 
 def add_parser(sub) -> None:
     p = sub.add_parser("hf", help="transformers' from_pretrained of a te-serial checkpoint vs load_into and BF16")
-    p.add_argument("--gib", type=float, default=0.5, help="BF16 size of the model")
+    p.add_argument("--gib", type=float, default=1.0, help="BF16 size of the model")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--recipe", default="mxfp8")
     p.add_argument("--repeat", type=int, default=3, help="runs of each load (median)")
@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
 def _config(hidden: int, gib: float) -> dict:
     inter = hidden * 3
     per_layer = (4 * hidden * hidden + 3 * hidden * inter) * 2
-    layers = max(1, int(gib * (1 << 30) - 2 * 32000 * hidden * 2) // per_layer)
-    return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    vocab = 8192  # small beside the layers: the linear weights are what the recipes quantize
+    layers = max(1, int(gib * (1 << 30) - 2 * vocab * hidden * 2) // per_layer)
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, tie_word_embeddings=False)
 
 
