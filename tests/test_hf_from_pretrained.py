@@ -390,3 +390,18 @@ def test_pipeline_and_generate_on_a_loaded_model(tmp_path):
     prompt_ids = torch.tensor([tok(prompt)["input_ids"]])
     expect = want.generate(prompt_ids, max_new_tokens=6, do_sample=False)[0, prompt_ids.shape[1]:]
     assert text == tok.decode(expect) and len(expect) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_map_cuda(tmp_path):
+    """device_map="cuda": every quantized weight lands on the GPU with load_into's bytes."""
+    path = _te_dir(tmp_path / "ck", "llama", "mxfp8", True)
+    got = AutoModelForCausalLM.from_pretrained(path, device_map="cuda")
+    want = ts.load_into(_meta_model(_config("llama", True)), path)
+    for name, p in got.named_parameters():
+        assert p.device.type == "cuda", name
+        if isinstance(p, tsf.QuantizedTensor):
+            q = dict(want.named_parameters())[name]
+            for k, b in p.buffers().items():
+                assert torch.equal(b.cpu().view(torch.uint8), q.buffers()[k].view(torch.uint8)), (name, k)

@@ -776,3 +776,23 @@ def test_a_library_of_another_interface_version_is_refused(fresh_native, monkeyp
         assert not fresh_native.available()
     x = _random_bytes((64, 48), seed=9)
     assert torch.equal(kernel_ops.transpose_bytes(x), x.t())
+
+
+@pytest.mark.parametrize("case", ["random", "one-value", "empty", "odd", "e4m3-scales", "all-values"])
+def test_byte_histogram_is_bincount(case, monkeypatch):
+    """The C byte histogram (block-scale presence for the serving layouts' checks) counts as torch's
+    bincount does, on runs of one value, odd lengths and nothing; declined (not built), the fallback
+    gives the same counts."""
+    x = {"random": _random_bytes((1000, 333)).reshape(-1),
+         "one-value": torch.full((4099,), 0x7E, dtype=torch.uint8),
+         "empty": torch.empty(0, dtype=torch.uint8),
+         "odd": _random_bytes((7,), 3),
+         "e4m3-scales": _random_bytes((512, 64), 4).view(torch.float8_e4m3fn),
+         "all-values": torch.arange(256, dtype=torch.uint8).repeat(3)}[case]
+    want = torch.bincount(x.reshape(-1).view(torch.uint8).int(), minlength=256)
+    assert torch.equal(kernel_ops.byte_histogram(x), want)
+    if native.available():
+        assert native.byte_histogram(x.reshape(-1).view(torch.uint8)) is not None  # the C kernel ran
+    monkeypatch.setattr(native, "_library", lambda build=False: None)
+    assert native.byte_histogram(x.reshape(-1).view(torch.uint8)) is None
+    assert torch.equal(kernel_ops.byte_histogram(x), want)

@@ -84,7 +84,7 @@ _OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp
 
 _I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 #: the interface version kernels.c declares (te_serial_abi_version) and the table below describes
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 #: every C function's signature, in one table: name → (argument types, return type)
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "te_serial_abi_version": ([], _I32),
@@ -99,6 +99,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "te_serial_fp4_4over6_tiles": ([_PTR, _I32, _I64, _I64] + [_PTR] * 8 + [_F32, _F32, _I32, _I32], _I32),
     "te_serial_dequant_fp8": ([_PTR, _PTR, _PTR, _I32] + [_I64] * 7 + [_I32, _I32], None),
     "te_serial_scale_cast_fp8_pair": ([_PTR] * 5 + [_I32, _I32, _I64, _I64, _I64, _I32], _I32),
+    "te_serial_byte_histogram": ([_PTR, _I64, _PTR], None),
 }
 
 _lock = threading.Lock()
@@ -243,6 +244,17 @@ def transpose_bytes(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
         lib.te_serial_transpose_u8(x.data_ptr(), y.data_ptr(), rows, cols, x.stride(0), rows,
                                    _threads(rows, x.numel(), _STRIPE))
     return y
+
+
+@_kernel
+def byte_histogram(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """int64 counts of each byte value 0..255 in the contiguous 1-byte tensor ``x`` (torch's
+    bincount needs a widened copy and runs one counter), or None where declined."""
+    if x.element_size() != 1 or not x.is_contiguous():
+        return None
+    counts = torch.zeros(256, dtype=torch.int64)
+    lib.te_serial_byte_histogram(x.data_ptr(), x.numel(), counts.data_ptr())
+    return counts
 
 
 #: magnitude bits of +inf per 16-bit float type: anything above is a NaN

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ... import kernel_ops
 from ...formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from ...formats.protocol import ROWWISE
 from ...formats.tensors import QuantizedTensorStorage
@@ -194,7 +195,7 @@ def codes_check(t: QuantizedTensorStorage, reader: Callable[[torch.Tensor, torch
     shape = tuple(t.logical_shape)
     lay = q.usage_layout(ROW)
     grid = q.block_scales(b, shape, ROW)                       # [M, K/B] scale bytes
-    counts = torch.bincount(grid.reshape(-1).view(torch.uint8).int(), minlength=256)  # uint8 input: ~100x slower
+    counts = kernel_ops.byte_histogram(grid)                   # how many blocks have each scale byte
     block = lay.grid[1]
     # te-serial's value of every (scale byte, code): a [256, width] tensor of q's own format,
     # row s holding every code under block scale byte s, with t's tensor amax
