@@ -4,7 +4,8 @@
    usage, and so does dequantize; then quantize GB/s per recipe against a bare x.to(float8).
 2. save_quantized → load_quantized(device="cuda") round trip (pinned, non-blocking staging).
 3. torch.compile(fullgraph=True) of TensorProto.create_tensor + dequantize on CUDA (inductor).
-4. convert(device="cuda") writes convert(device="cpu")'s bytes (BF16 → MXFP8 / NVFP4), with GB/s.
+4. convert(device="cuda") writes convert(device="cpu")'s bytes (BF16 → MXFP8 / NVFP4), with GB/s;
+   transformers' from_pretrained(device_map="cuda") of a te-serial checkpoint equals load_into.
 5. If Transformer Engine with its CUDA extension is importable: TE's own kernels quantize each
    recipe; te-serial saves TE's tensors, loads them back as TE tensors; bytes must match and
    TE's GEMM on the loaded weight must equal the GEMM on the original.
@@ -96,6 +97,34 @@ def convert_section(tmp: Path) -> None:
         c, g_ = reps["cpu", recipe], reps["cuda", recipe]
         check(f"convert(device='cuda') bytes == cpu [{recipe}]", ok,
               f"cpu {c.src_bytes / c.seconds / 1e9:.2f} GB/s, cuda {g_.src_bytes / g_.seconds / 1e9:.2f} GB/s")
+
+
+def hf_section(tmp: Path) -> None:
+    """transformers' from_pretrained(device_map="cuda") of a te-serial checkpoint (te_serial.hf):
+    every parameter on the GPU, quantized weights with load_into's bytes, logits equal."""
+    try:
+        import transformers
+        import te_serial.hf  # noqa: F401  (registers the te_serial method)
+    except ImportError as e:
+        print(f"[skip] from_pretrained(device_map='cuda'): {e}")
+        return
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ts.save_quantized(ts.quantize_model(model, "mxfp8", columnwise=False), tmp / "hf")
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf", device_map="cuda")
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    ts.load_into(ref, tmp / "hf", device="cuda")
+    want = dict(ref.named_parameters())
+    ok = all(p.device.type == "cuda" for p in got.parameters()) and all(
+        same(b, want[n].buffers()[k]) for n, p in got.named_parameters() if isinstance(p, tsf.QuantizedTensor)
+        for k, b in p.buffers().items())
+    ids = torch.randint(0, 256, (1, 12), device="cuda")
+    with torch.no_grad():
+        ok = ok and torch.equal(got(ids).logits, ref(ids).logits)
+    check("from_pretrained(device_map='cuda') == load_into", ok)
 
 
 def te_section(tmp: Path) -> None:
@@ -226,6 +255,7 @@ def main() -> int:
         check("torch.compile(fullgraph) create+dequantize on cuda",
               torch.equal(got, state["mxfp8.11"].dequantize(torch.float32)))
         convert_section(tmp)
+        hf_section(tmp)
         te_section(tmp)
     print(f"{len(FAILED)} failed, {time.time() - t0:.0f} s")
     return 1 if FAILED else 0
