@@ -21,9 +21,9 @@ How a te-serial checkpoint loads (``TeSerialHfQuantizer``, pre-quantized):
   ``save_quantized`` writes beside ``config.json`` (the pointer is removed from ``model.config``
   again before any weight is read);
 * ``_process_model_before_weight_loading(model, checkpoint_files=...)`` opens the checkpoint once
-  with ``te_serial.open`` (manifest, schema, every shard's header checked against it: an unknown
-  quantizer kind or a newer format is te-serial's ``ManifestError`` / ``VersionError`` here, before
-  anything is read), and derives from the manifest's prototypes which safetensors keys are whose;
+  with ``te_serial.open`` (manifest and schema checked: an unknown quantizer kind or a newer format
+  is te-serial's ``ManifestError`` / ``VersionError`` here, before any buffer is read; each shard's
+  header is checked against the manifest at its first read), and derives from the manifest's prototypes which safetensors keys are whose;
 * ``serialized_names`` makes transformers collect, for each quantized weight, the keys of its
   small buffers (scales, amax: every buffer but the data) into one ``WeightConverter`` whose
   deserialize op, ``TeSerialDeserialize``, returns ``Checkpoint.get(name, device=...)``: the tensor
@@ -244,7 +244,7 @@ class TeSerialHfQuantizer(HfQuantizer):
             raise CheckpointError(f"config.json says quant_method {QUANT_METHOD!r}, but there is no {MANIFEST_NAME} "
                                   "beside the shards (from_pretrained reads te-serial checkpoints from a local "
                                   "directory)", file=str(root))
-        ckpt = Checkpoint(root)  # manifest, schema, registry, every shard's header: checked now
+        ckpt = Checkpoint(root)  # manifest, schema, registry checked now; each shard's header at its first read
         try:
             self._serialized = self._keys(model, ckpt, checkpoint_files, root)
         except BaseException:
