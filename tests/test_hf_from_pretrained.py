@@ -9,6 +9,7 @@ every dim a multiple of 128, so every recipe applies. The references are te-seri
 from __future__ import annotations
 
 import fnmatch
+import os
 import json
 import warnings
 from pathlib import Path
@@ -405,3 +406,40 @@ def test_device_map_cuda(tmp_path):
             q = dict(want.named_parameters())[name]
             for k, b in p.buffers().items():
                 assert torch.equal(b.cpu().view(torch.uint8), q.buffers()[k].view(torch.uint8)), (name, k)
+
+
+def test_peft_lora_trains_adapters_over_the_frozen_quantized_base(tmp_path, monkeypatch):
+    """PEFT's LoRA on q/v of a from_pretrained te-serial model: forward and backward through the
+    quantized weights' dequantize, finite gradients on every adapter, the loss falls after a step,
+    and the base's bytes are unchanged."""
+    import importlib.util
+    if importlib.util.find_spec("peft") is None and not os.environ.get("CI"):  # the test extra installs it
+        pytest.skip("peft not installed: pip install -c constraints.txt -e '.[test]'")
+    import sys
+    # peft probes transformer_engine at import; the CPU-only TE wheel raises there (and te_shim's
+    # stand-in lacks TE's module classes): PEFT's path without TE, as on a machine without it
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    import peft
+    import peft.import_utils
+    peft.import_utils.is_te_pytorch_available.cache_clear()
+    path = _te_dir(tmp_path / "ck", "llama", "mxfp8", True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    base = {n: {k: b.clone() for k, b in p.buffers().items()} for n, p in model.named_parameters()
+            if isinstance(p, tsf.QuantizedTensor)}
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    assert trainable and not any(isinstance(p, tsf.QuantizedTensor) for p in trainable)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    ids = _ids()
+    loss = pm(ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainable)
+    opt.step()
+    with torch.no_grad():
+        assert pm(ids, labels=ids).loss < loss
+    now = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in pm.named_parameters()
+           if isinstance(p, tsf.QuantizedTensor)}
+    assert set(now) == set(base)
+    for n, bufs in base.items():
+        for k, b in bufs.items():
+            assert torch.equal(now[n].buffers()[k].view(torch.uint8), b.view(torch.uint8)), (n, k)
