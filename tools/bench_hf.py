@@ -8,7 +8,8 @@ resident, and the child's peak RSS):
 
 * ``from_pretrained(te_serial_dir)`` (``te_serial.hf``);
 * ``te_serial.load_into`` of the same checkpoint into a meta model (the issue's ≤ 1.1× baseline);
-* transformers' own ``from_pretrained`` of the BF16 directory (≤ 1.0×: it reads 2-4× the bytes).
+* transformers' own ``from_pretrained`` of the BF16 directory (≤ 1.0×: it reads 2-4× the bytes);
+* ``from_pretrained`` of the BF16 directory with ``TeSerialConfig(recipe=...)``: quantize on load.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ if mode == "load_into":
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     ts.load_into(model, path)
+elif mode.startswith("on_load:"):  # quantize on load from the BF16 directory
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=te_serial.hf.TeSerialConfig(recipe=mode[8:], usages=["rowwise"]))
 else:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 for p in model.parameters():  # every byte resident
@@ -85,7 +89,8 @@ def run(args) -> None:
         rss: dict[str, int] = {}
         runs = {"from_pretrained(te-serial)": ("from_pretrained", work / "te"),
                 "load_into(te-serial)": ("load_into", work / "te"),
-                "from_pretrained(bf16)": ("from_pretrained", work / "bf16")}
+                "from_pretrained(bf16)": ("from_pretrained", work / "bf16"),
+                "quantize on load (bf16 dir)": (f"on_load:{args.recipe}", work / "bf16")}
         for _ in range(args.repeat):
             for label, (mode, path) in runs.items():
                 out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO), mode, str(path), json.dumps(cfg)],
@@ -103,6 +108,7 @@ def run(args) -> None:
         print(f"  from_pretrained / transformers BF16: {ours / med['from_pretrained(bf16)']:.2f}x (target <= 1.0)")
         budget = qbytes * 1.1 + 300e6
         print(f"  peak RSS / (quantized x 1.1 + 300 MB): {rss['from_pretrained(te-serial)'] / budget:.2f} "
-              "(target <= 1.0; the child's interpreter, torch and transformers included)")
+              "(target <= 1.0; the child's interpreter, torch and transformers included); quantize on load: "
+              f"{rss['quantize on load (bf16 dir)'] / budget:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
