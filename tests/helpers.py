@@ -111,3 +111,16 @@ FORMAT_CASES = [
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def seeded_hf_model(cfg, seed: int = 0):
+    """A transformers causal LM of ``cfg`` in BF16 with seeded random weights, its 1-D parameters
+    (biases, norms) moved away from their init values, so that a tensor lost in a round trip shows."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from helpers import seeded_hf_model
 from te_serial import errors as tse
 from te_serial import formats as tsf
 from te_serial.recipes import RECIPES
@@ -43,14 +44,7 @@ def _config(arch="llama", tied=True, **kw):
     return cls(**{**SMALL, **kw}, tie_word_embeddings=tied)
 
 
-def _bf16_model(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():  # biases and norms away from their init values, so a lost tensor shows
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+_bf16_model = seeded_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from helpers import seeded_hf_model
 from te_serial import errors as tse
 from te_serial import formats as tsf
 from te_serial.conversion import ConversionReport
@@ -38,12 +39,7 @@ def _config(arch="llama", tied=True, **kw):
 
 
 def _hf_dir(root: Path, cfg, seed=0, **save_kw) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():  # biases and norms away from their init values, so a lost tensor shows
-        for n, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = seeded_hf_model(cfg, seed)
     model.save_pretrained(root, **save_kw)
     return root
 
