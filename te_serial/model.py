@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from .checkpoint.writer import save_quantized
 from .errors import CheckpointError, ConversionError, ShapeError, TeSerialError, UnsupportedOperationError
 from . import fusion
 from . import numerics as nx
@@ -149,7 +150,6 @@ def _te_serial_save_pretrained(self: nn.Module, save_directory: str | os.PathLik
                                         f"max_shard_size and safe_serialization; got {unknown or list(args)}")
     if not is_main_process:
         return None
-    from .checkpoint.writer import save_quantized
     save_quantized(self, save_directory, max_shard_size=max_shard_size)
     generation = getattr(self, "generation_config", None)
     can_generate = getattr(self, "can_generate", lambda: False)

@@ -139,10 +139,16 @@ def check_free_space(root: Path, nbytes: int) -> None:
 
 
 def discard(path: Path) -> None:
-    """Remove a file of a failed write, best effort: the failure being reported (a read-only or
-    vanished file system, say) may forbid this too, and must not be masked by it."""
+    """Remove a file (or a directory of files) te-serial wrote, best effort: a failed write's
+    leftovers, whose removal the failure being reported (a read-only or vanished file system, say)
+    may forbid too and must not mask; a committed save's stale files, which the next save removes."""
     try:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            for child in path.iterdir():
+                child.unlink(missing_ok=True)
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
     except OSError:
         pass
 
@@ -835,18 +841,8 @@ def clean_directory(root: Path, keep: set[str], ours: re.Pattern, *, leftovers: 
              if p.name not in keep and ((leftovers and is_leftover(p.name)) or ours.fullmatch(p.name))]
     if len(stale) > 1:
         with ThreadPoolExecutor(min(8, len(stale)), thread_name_prefix="te-serial-clean") as pool:
-            list(pool.map(_remove, stale))
+            list(pool.map(discard, stale))
     elif stale:
-        _remove(stale[0])
+        discard(stale[0])
 
 
-def _remove(p: Path) -> None:
-    try:
-        if p.is_dir() and not p.is_symlink():
-            for child in p.iterdir():
-                child.unlink(missing_ok=True)
-            p.rmdir()
-        else:
-            p.unlink(missing_ok=True)
-    except OSError:
-        pass  # removed by the next save

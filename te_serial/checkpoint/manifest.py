@@ -554,15 +554,18 @@ class _Decoder:
                       f"{MANIFEST_CHECKSUM}", field=MANIFEST_CHECKSUM)
         tree = doc.pop("tree", None)
         cols = doc.get("tensors")
+        # unpack_manifest keeps the checksums column as bytes (or nil): Manifest.checksums checks it
+        # against its schema rule, and its rows, at first use
         deferred = type(cols) is dict and isinstance(cols.get("checksums"), tree_mod.DeferredColumn)
-        try:  # a deferred column is checked against its schema rule when it is first used
+        try:
             _validator().validate(dict(doc, tensors={**cols, "checksums": []}) if deferred else doc)
         except jsonschema_rs.ValidationError as e:
             path = "/".join(map(str, e.instance_path))
             self.fail(f"manifest breaks the schema at /{path}: {e.message}", field=path or None)
         except (ValueError, TypeError) as e:  # a value no JSON type describes (bytes, ext types)
             self.fail(f"manifest holds a value of no JSON type: {e}")
-        self.require_ints(doc)
+        file_codes = _small_ints(doc["tensors"]["files"])  # every file index as bytes: ints below 256
+        self.require_ints(doc, files_are_ints=file_codes is not None)
         self.check_field_versions(doc, has_trailer=seal_ok is not None)
         files = {}
         for f in doc["files"]:
@@ -586,9 +589,8 @@ class _Decoder:
         cols = doc["tensors"]
         names, proto_index, file_index = cols["names"], cols["protos"], cols["files"]
         checksum_column = cols.get("checksums")
-        checksums = None if deferred else checksum_column   # the rows to check now (deferred: at first use)
         n = len(names)
-        if len(proto_index) != n or len(file_index) != n or (checksums is not None and len(checksums) != n):
+        if len(proto_index) != n or len(file_index) != n:
             self.fail("tensor columns have different lengths", field="tensors")
         if len(set(names)) != n:
             self.fail("tensor names are not unique", field="tensors/names")
@@ -603,7 +605,7 @@ class _Decoder:
                 self.fail("tensor columns have different lengths", field="tensors/chunks")
         skipped = {}
         rows_ok = (chunk_col is None and not bad_protos and max(proto_index, default=-1) < len(protos)
-                   and self.rows_fit(proto_index, file_index, checksums, nbuf, n_files))
+                   and self.rows_fit(proto_index, file_index, file_codes, nbuf, n_files))
         for i in range(0 if rows_ok else n):  # the loop names the first tensor at fault
             p = proto_index[i]
             if p >= len(protos):
@@ -615,11 +617,10 @@ class _Decoder:
                 continue
             row = file_index[i]
             if chunk_col is not None and chunk_col[i] is not None:
-                if row or (checksums is not None and checksums[i]):
-                    self.fail("a chunked tensor's files and checksums rows must be empty", tensor=names[i],
-                              field="tensors/files")
+                if row:
+                    self.fail("a chunked tensor's files row must be empty", tensor=names[i], field="tensors/files")
                 continue
-            if len(row) != nbuf[p] or (checksums is not None and len(checksums[i]) != nbuf[p]):
+            if len(row) != nbuf[p]:
                 self.fail(f"{len(row)} buffer files for a prototype with {nbuf[p]} buffers",
                           tensor=names[i], field="tensors/files")
             if row and max(row) >= n_files:
@@ -709,16 +710,14 @@ class _Decoder:
                               tensor=name, field="tensors/names")
 
     @staticmethod
-    def rows_fit(proto_index: list, file_index: list, checksums: list | None, nbuf: list, n_files: int) -> bool:
-        """Every tensor's files (and checksums) row has its prototype's buffer count, and every
-        file index names a listed file: the per-tensor loop's checks, a column at a time."""
-        want = list(map(nbuf.__getitem__, proto_index))
-        if list(map(len, file_index)) != want or (checksums is not None and list(map(len, checksums)) != want):
+    def rows_fit(proto_index: list, file_index: list, file_codes: bytes | None, nbuf: list, n_files: int) -> bool:
+        """Every tensor's files row has its prototype's buffer count, and every file index names a
+        listed file (``file_codes``: the indices as bytes, where they fit): the per-tensor loop's
+        checks, a column at a time."""
+        if list(map(len, file_index)) != list(map(nbuf.__getitem__, proto_index)):
             return False
-        codes = _small_ints(file_index)
-        if codes is not None:
-            return max(codes, default=-1) < n_files
-        return max(itertools.chain.from_iterable(file_index), default=-1) < n_files
+        return max(file_codes if file_codes is not None else itertools.chain.from_iterable(file_index),
+                   default=-1) < n_files
 
     def check_keys_unique(self, names, protos, proto_index, aliases, skipped) -> None:
         """No two stored buffers share a safetensors key. Buffer names hold no dot, so the only way
@@ -743,8 +742,10 @@ class _Decoder:
                 self.fail(f"plain tensor {name!r} would read the same safetensors key as buffer {suffix} "
                           f"of tensor {prefix!r}", tensor=name, field="tensors/names")
 
-    def require_ints(self, doc: dict) -> None:
-        """Indices, sizes and shapes must be ints: JSON Schema's "integer" also admits 1.0."""
+    def require_ints(self, doc: dict, files_are_ints: bool = False) -> None:
+        """Indices, sizes and shapes must be ints: JSON Schema's "integer" also admits 1.0
+        (``files_are_ints``: the files column is already known to hold ints; the checksums column is
+        checked where it is decoded, at first use)."""
         def ints(values) -> bool:
             return set(map(type, values)) <= {int}
 
@@ -759,9 +760,7 @@ class _Decoder:
                 check(b["shape"], f"protos/{i}/buffers/{j}/shape")
         cols = doc["tensors"]
         chain = itertools.chain.from_iterable
-        sums = cols.get("checksums")
-        for column, rows in (("protos", [cols["protos"]]), ("files", cols["files"]),
-                             ("checksums", sums if type(sums) is list else [])):
+        for column, rows in (("protos", [cols["protos"]]), ("files", [] if files_are_ints else cols["files"])):
             if _small_ints(rows) is None and not ints(chain(rows)):  # slow path on failure: name the tensor
                 for i, row in enumerate(cols[column]):
                     if not ints(row if isinstance(row, list) else [row]):

@@ -201,12 +201,16 @@ class _Unpacker:
             raise self.fail(f"a map with the key {_short(dup)} more than once")
         return d  # key types: check_tree names the path of a tree key te-serial never writes
 
+    def options(self, **limits: int) -> dict:
+        """msgpack's decoding options for this decode (``limits``: overrides of UNPACK_LIMITS).
+        timestamp=0: msgpack's timestamp type becomes a msgpack.Timestamp (refused by check_tree
+        like every type te-serial never writes), never a datetime, whose conversion can raise
+        OverflowError."""
+        return dict(ext_hook=self.ext_hook, object_pairs_hook=self.pairs, raw=False, strict_map_key=False,
+                    use_list=True, timestamp=0, **dict(UNPACK_LIMITS, **limits))
+
     def unpackb(self, data: bytes) -> Any:
-        # timestamp=0: msgpack's timestamp type becomes a msgpack.Timestamp (refused by
-        # check_tree like every type te-serial never writes), never a datetime, whose
-        # conversion can raise OverflowError
-        return msgpack.unpackb(data, ext_hook=self.ext_hook, object_pairs_hook=self.pairs, raw=False,
-                               strict_map_key=False, use_list=True, timestamp=0, **UNPACK_LIMITS)
+        return msgpack.unpackb(data, **self.options())
 
 
 def _short(value: Any) -> str:
@@ -237,11 +241,8 @@ def unpack_manifest(data: bytes, *, source: Optional[str] = None) -> dict:
     and every msgpack error raise :class:`ManifestError` naming ``source`` and the field.
     """
     u = _Unpacker(source)
-    limits = dict(UNPACK_LIMITS, max_ext_len=0)
     try:
-        stream = msgpack.Unpacker(None, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False,
-                                  strict_map_key=False, use_list=True, timestamp=0,
-                                  max_buffer_size=max(len(data), 1), **limits)
+        stream = msgpack.Unpacker(None, max_buffer_size=max(len(data), 1), **u.options(max_ext_len=0))
         stream.feed(data)
         try:
             n = stream.read_map_header()
@@ -264,7 +265,7 @@ def unpack_manifest(data: bytes, *, source: Optional[str] = None) -> dict:
             elif key == "tensors":
                 start = stream.tell()
                 stream.skip()
-                doc[key] = _unpack_columns(data[start:stream.tell()], u, limits)
+                doc[key] = _unpack_columns(data[start:stream.tell()], u)
             else:
                 doc[key] = stream.unpack()
         if stream.tell() != len(data):
@@ -297,14 +298,12 @@ class DeferredColumn:
 DEFERRED_COLUMNS = frozenset({"checksums"})
 
 
-def _unpack_columns(raw: bytes, u: "_Unpacker", limits: dict) -> Any:
+def _unpack_columns(raw: bytes, u: "_Unpacker") -> Any:
     """The ``tensors`` field: a map whose deferred columns stay bytes (nil stays None); anything
     else is decoded as any field is (and left for the schema to refuse if it is not a map)."""
     if not raw or not (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF)):
-        return msgpack.unpackb(raw, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False,
-                               strict_map_key=False, use_list=True, timestamp=0, **limits)
-    sub = msgpack.Unpacker(None, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False, strict_map_key=False,
-                           use_list=True, timestamp=0, max_buffer_size=max(len(raw), 1), **limits)
+        return msgpack.unpackb(raw, **u.options(max_ext_len=0))
+    sub = msgpack.Unpacker(None, max_buffer_size=max(len(raw), 1), **u.options(max_ext_len=0))
     sub.feed(raw)
     cols: dict = {}
     for _ in range(sub.read_map_header()):
@@ -329,8 +328,7 @@ def unpack_column(raw: bytes, *, source: Optional[str] = None, field: Optional[s
     u = _Unpacker(source)
     u.field, u.ext_allowed = field, False
     try:
-        return msgpack.unpackb(raw, ext_hook=u.ext_hook, object_pairs_hook=u.pairs, raw=False, strict_map_key=False,
-                               use_list=True, timestamp=0, **dict(UNPACK_LIMITS, max_ext_len=0))
+        return msgpack.unpackb(raw, **u.options(max_ext_len=0))
     except ManifestError:
         raise
     except _MSGPACK_ERRORS as e:

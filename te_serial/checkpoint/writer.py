@@ -28,9 +28,10 @@ from .._version import __version__
 from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.tensors import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
+from ..recipes import RECIPES, recipe_quantizer
 from ..te.interop import from_te, is_te_tensor
 from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path, writing
-from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, BufferEntry, Manifest,
+from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, VERSION, BufferEntry, Manifest,
                        TensorEntry, buffer_key, expected_buffers)
 from .tree import TensorRef, flatten_tree
 
@@ -303,7 +304,6 @@ def _recipe_of(q: Any, uniform_usages: bool, cache: dict) -> str | dict:
     ``q`` (with its usages, where all modules share them), else the quantizer's own fields."""
     key = (q, uniform_usages)
     if key not in cache:
-        from ..recipes import RECIPES, recipe_quantizer
         names = [n for n in RECIPES if recipe_quantizer(n, rowwise=q.rowwise, columnwise=q.columnwise) == q]
         cache[key] = names[0] if names and uniform_usages else q.to_dict()
     return cache[key]
@@ -315,7 +315,6 @@ def quantization_config(protos: Mapping[str, TensorProto]) -> dict | None:
     quantized module (a tensor's name less ``.weight``) its ``recipe`` name — or its quantizer's fields
     where no recipe makes it or the modules' usages differ — and ``recipe`` / ``usages`` where every
     module shares them. The manifest's prototypes stay the authority; this says what the directory holds."""
-    from .manifest import VERSION
     quantized = {n: p.quantizer for n, p in protos.items() if p.quantizer is not None}
     if not quantized:
         return None
