@@ -24,6 +24,8 @@ Every path that reads or writes checkpoint files goes through here: ``load_quant
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import errno
 import gc
 import itertools
@@ -596,6 +598,32 @@ class _DirectBlocks:
             self.fd = -1
 
 
+#: buffered writes at least this large start their writeback at once (:func:`start_writeback`)
+_WRITEBACK_MIN_BYTES = 1 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range() -> Callable | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` to disk now, without waiting. The
+    pages stay cached (a load after the save reads memory), while the disk works beside whatever
+    the writer computes next, instead of all at the final fsync: the kernel's own background
+    writeback starts only once a tenth of memory is dirty. A hint: where it is refused, nothing
+    changes."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 def header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
     """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
     header: dict = {}
@@ -667,6 +695,8 @@ class _PlannedFile:
                 self.written.add(key)
                 return
         _pwrite_all(self.fd, data, offset)
+        if len(data) >= _WRITEBACK_MIN_BYTES:
+            start_writeback(self.fd, offset, len(data))
         self.written.add(key)
 
     def _close_direct(self) -> None:
