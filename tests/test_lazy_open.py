@@ -6,7 +6,10 @@
   ``verify``), not at open;
 - the column-at-a-time header check accepts exactly what the entry-by-entry check accepts, with
   the same entries, on valid and damaged headers alike;
-- zero-size dimensions round-trip.
+- zero-size dimensions round-trip;
+- a shard whose header is byte for byte the one te-serial's writer plans from the manifest is
+  taken without a parse; any other valid header (another writer's formatting) is parsed and
+  checked as before, and loads to the same tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 import te_serial as ts
 from te_serial.checkpoint import files
 from te_serial.errors import CheckpointFileError, TeSerialError
+
+from helpers import assert_same_tensor
 
 
 def _many(path, n=60, shard="8KB"):
@@ -172,3 +177,63 @@ def test_no_error_of_another_class_escapes_a_damaged_header(tmp_path):
         except TeSerialError:
             pass
     shard.write_bytes(raw)
+
+
+_ODD_KEYS = ["plain", 'quo"te', "back\\slash", "tab\tnew\nline", "ünï\u2603", "\x00nul", "", "emoji\U0001F600"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_planned_header_is_what_json_dumps_gives(seed):
+    """The writer's directly formatted entries are the JSON ``json.dumps`` writes for the same
+    entries, laid out widest dtype first, whatever the keys hold."""
+    rng = random.Random(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.int64]
+    items = [(rng.choice(_ODD_KEYS) + str(i), tuple(rng.choice([0, 1, 3, 32]) for _ in range(rng.randint(0, 3))),
+              rng.choice(dtypes)) for i in range(rng.randint(0, 30))]
+    meta = rng.choice([None, {"format": "pt"}, {"k\"ey": "välue"}])
+    planned = files.planned_header(items, meta)
+    by_width = sorted(items, key=lambda it: -it[2].itemsize)
+    entries, at = {}, 0
+    for key, shape, dtype in by_width:
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
+        entries[key] = {"dtype": files.safetensors_code(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    want = json.dumps(_header_of(entries, meta), separators=(",", ":")).encode()
+    assert planned.raw.rstrip(b" ") == want and len(planned.raw) % 8 == 0 and planned.data_bytes == at
+    assert {k: (e.dtype, e.shape, e.start, e.end) for k, e in planned.entries.items()} == \
+        {k: (files.dtype_from_code(v["dtype"]), tuple(v["shape"]), *v["data_offsets"]) for k, v in entries.items()}
+
+
+def test_a_repeated_key_has_no_planned_header():
+    assert files.planned_header([("a", (2,), torch.float32), ("a", (2,), torch.float32)], None) is None
+
+
+def test_a_shard_as_planned_skips_the_parse_and_another_valid_header_is_parsed(tmp_path, monkeypatch):
+    sd = _many(tmp_path / "c", n=20, shard="1GB")
+    shard = _shards(tmp_path / "c")[0]
+    parsed = []
+    real = files._read_header
+    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
+    ckpt = ts.open(tmp_path / "c")
+    for name, t in ckpt.load_tensors().items():
+        assert_same_tensor(t, sd[name], name)
+    assert parsed == [] and ckpt._files[shard.name].as_planned  # te-serial's own shard: compared, not parsed
+    ckpt.close()
+    # the same entries in another writer's formatting (spaces, another order): valid, and parsed
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(dict(reversed(list(header.items())))).encode()
+    text += b" " * (-len(text) % 8)
+    shard.unlink()  # a new file: the first handle's mappings keep the old one
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    # the manifest lists the file's size: the data is the same, the header longer
+    from te_serial.checkpoint.manifest import MANIFEST_NAME, Manifest
+    mpath = tmp_path / "c" / MANIFEST_NAME
+    m = Manifest.from_bytes(mpath.read_bytes(), source="m")
+    m.files[shard.name] = shard.stat().st_size
+    mpath.write_bytes(m.to_bytes())
+    again = ts.open(tmp_path / "c")
+    for name, t in again.load_tensors().items():
+        assert_same_tensor(t, sd[name], name)
+    assert parsed == [str(shard)] and not again._files[shard.name].as_planned

@@ -57,6 +57,9 @@ MAX_HEADER_BYTES = 100 << 20
 #: most dims a stored shape may have (safetensors has no limit; no tensor te-serial writes has more)
 MAX_NDIM = 64
 _ENTRY_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
+_json_string = json.encoder.encode_basestring_ascii  # as json.dumps quotes strings (ensure_ascii)
+#: the ``__metadata__`` of every shard of a checkpoint directory (a single file holds its manifest there)
+SHARD_METADATA = {"format": "pt"}
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -212,6 +215,19 @@ def _no_duplicates(pairs: list) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic-GC pass inside: parsing or building many small objects at once would set one off
+    (likelier the more objects the process holds), and it would cost more than the work itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -220,17 +236,20 @@ def _is_int(v) -> bool:
     return type(v) is int  # noqa: E721 - bool and float are refused on purpose
 
 
-def read_header(fd: int, path: str, size: int) -> Header:
+def read_header(fd: int, path: str, size: int, expected: PlannedHeader | None = None) -> Header:
     """The checked header of the safetensors file open at ``fd`` (``size`` bytes long); see
-    :func:`_read_header`. Parsing makes several objects per entry at once: a cyclic-GC pass in the
-    middle of it (likelier the more objects the process holds) would cost more than the parse."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    :func:`_read_header`, parsed with the cyclic GC paused (:func:`gc_paused`).
+
+    ``expected``: the header te-serial's writer gives this file (:func:`planned_header`). A file
+    that holds exactly those bytes, at the size they plan, has that header: the bytes are compared
+    instead of parsed and checked (the same guarantees, a fraction of the work); any other file
+    goes through the full parse, which names what differs."""
+    if expected is not None:
+        n = len(expected.raw)
+        if size == 8 + n + expected.data_bytes and os.pread(fd, 8 + n, 0) == n.to_bytes(8, "little") + expected.raw:
+            return Header(expected.entries, dict(expected.metadata), 8 + n, size)
+    with gc_paused():
         return _read_header(fd, path, size)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _read_header(fd: int, path: str, size: int) -> Header:
@@ -386,21 +405,24 @@ class SafetensorsFile:
     """One safetensors file: its checked header, and its buffers read as mmap views or fresh copies."""
 
     def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = False,
-                 fd: tuple[int, int] | None = None) -> None:
+                 fd: tuple[int, int] | None = None, expected: PlannedHeader | None = None) -> None:
         """``fd``: (descriptor, size) of ``path`` opened earlier (this object takes it over), so the
-        file read is the one opened then, whatever has happened to the path since."""
+        file read is the one opened then, whatever has happened to the path since; ``expected``: the
+        header the file should have (see :func:`read_header`)."""
         self.path = Path(path)
         self._fd, size = fd if fd is not None else open_regular(self.path, follow_symlinks=follow_symlinks)
         self._storage: torch.UntypedStorage | None = None
         #: bytes of tensor data read with ``read`` / ``read_box`` (mmap'd views are not counted)
         self.bytes_read = 0
         try:
-            self.header = read_header(self._fd, str(self.path), size)
+            self.header = read_header(self._fd, str(self.path), size, expected)
         except BaseException:
             self.close()
             raise
         self.entries = self.header.entries
         self.metadata = self.header.metadata
+        #: the header is exactly the one expected (its entries are the expected ones)
+        self.as_planned = expected is not None and self.header.entries is expected.entries
 
     @property
     def size(self) -> int:
@@ -624,16 +646,62 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
+class Layout(NamedTuple):
+    """Where each buffer of a file goes, and the header entries saying so (JSON text)."""
+
+    entries: dict[str, Entry]
+    entries_json: str
+    data_bytes: int
+
+
+def layout(items: list[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
+    """The one layout rule for the files te-serial writes: the widest dtypes first (every buffer
+    aligned to its item size), in the given order otherwise, packed. The entries' JSON is what
+    ``json.dumps`` gives for them, formatted directly (a tenth of the time for 10,000 tensors)."""
+    kinds: dict[tuple, tuple[int, str]] = {}  # (shape, dtype) → (bytes, the entry's JSON up to its offsets)
+    for _, shape, dtype in items:
+        if (shape, dtype) not in kinds:
+            kinds[shape, dtype] = (math.prod(shape) * dtype.itemsize, f'{{"dtype":"{safetensors_code(dtype)}",'
+                                   f'"shape":[{",".join(map(str, shape))}],"data_offsets":[')
+    ordered = sorted(items, key=lambda item: -item[2].itemsize)  # a stable sort
+    sizes = [kinds[shape, dtype][0] for _, shape, dtype in ordered]
+    ends = list(itertools.accumulate(sizes))
+    starts = [0, *ends[:-1]]
+    entries = {key: Entry(dtype, tuple(shape), start, end)
+               for (key, shape, dtype), start, end in zip(ordered, starts, ends)}
+    text = ",".join([f"{_json_string(key)}:{kinds[shape, dtype][1]}{start},{end}]}}"
+                     for (key, shape, dtype), start, end in zip(ordered, starts, ends)])
+    return Layout(entries, text, ends[-1] if ends else 0)
+
+
+def header_bytes(planned: Layout, metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
     """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
-    header: dict = {}
-    if metadata is not None:
-        header["__metadata__"] = dict(metadata)
-    header.update(entries)
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head = "" if metadata is None else '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))
+    raw = ("{" + ",".join(p for p in (head, planned.entries_json) if p) + "}").encode("utf-8")
     size = max(len(raw), pad_to)
     size += (-size) % 8
     return raw + b" " * (size - len(raw))
+
+
+class PlannedHeader(NamedTuple):
+    """The header the writer gives a file of these buffers: its bytes and what they parse to."""
+
+    raw: bytes
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_bytes: int
+
+
+def planned_header(items: list[tuple[str, tuple[int, ...], torch.dtype]],
+                   metadata: Mapping[str, str] | None) -> PlannedHeader | None:
+    """The header :class:`ShardSet` writes for ``items`` (key, shape, dtype) and ``metadata``. A file
+    whose header is these exact bytes needs no parse and no check (:func:`read_header`). None where
+    a key repeats: no writer plans that, and the parse refuses it."""
+    with gc_paused():
+        planned = layout(items)
+    if len(planned.entries) != len(items):
+        return None
+    return PlannedHeader(header_bytes(planned, metadata), planned.entries, dict(metadata or {}), planned.data_bytes)
 
 
 class _PlannedFile:
@@ -644,22 +712,14 @@ class _PlannedFile:
                  metadata: Mapping[str, str] | None, reserve: int | None, direct: bool = False) -> None:
         self.final = final
         self.tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}")
-        order = sorted(range(len(items)), key=lambda i: -items[i][2].itemsize)  # aligned: widest first
-        self.entries: dict[str, dict] = {}
-        self.offsets: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
-        offset = 0
-        for i in order:
-            key, shape, dtype = items[i]
-            nbytes = math.prod(shape) * dtype.itemsize
-            self.entries[key] = {"dtype": safetensors_code(dtype), "shape": list(shape),
-                                 "data_offsets": [offset, offset + nbytes]}
-            self.offsets[key] = (tuple(shape), dtype, offset)
-            offset += nbytes
-        self.data_bytes = offset
+        self.layout = layout(items)
+        self.data_bytes = self.layout.data_bytes
+        self.offsets: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {
+            key: (e.shape, e.dtype, e.start) for key, e in self.layout.entries.items()}
         self.metadata = metadata
         self.reserve = reserve
         placeholder = {"": "A" * reserve} if reserve is not None else metadata
-        self.header_len = len(header_bytes(self.entries, placeholder))
+        self.header_len = len(header_bytes(self.layout, placeholder))
         self.fd = -1
         self.direct_wanted = direct and self.size >= DIRECT_MIN_BYTES
         self.direct: _DirectBlocks | None = None
@@ -720,7 +780,7 @@ class _PlannedFile:
                                   file=str(self.final))
         self.open()
         self._close_direct()  # every buffer is written
-        header = header_bytes(self.entries, metadata if self.reserve is not None else self.metadata,
+        header = header_bytes(self.layout, metadata if self.reserve is not None else self.metadata,
                               pad_to=self.header_len)
         if len(header) != self.header_len:  # the data-dependent header outgrew its room: rewrite
             self._rewrite(header)

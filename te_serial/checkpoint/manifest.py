@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import gc
 import heapq
 import itertools
 import json
@@ -36,6 +35,7 @@ from ..formats.base import Quantizer
 from ..formats.slicing import region_views
 from ..proto import TensorProto, addressable
 from . import tree as tree_mod
+from .files import gc_paused
 
 FORMAT = "te-serial"
 VERSION = (1, 3)
@@ -451,15 +451,8 @@ class Manifest:
 
         ``file_bytes``: the size of the file carrying a single-file manifest (a directory's
         manifest lists its files' sizes): no buffer may need more bytes than the files hold."""
-        # Decoding creates many small objects at once; a cyclic-GC pass in the middle of it
-        # (likelier the more objects the process holds) would cost more than the decode.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():  # many small objects at once
             return _Decoder(source, strict, file_bytes).decode(data)
-        finally:
-            if enabled:
-                gc.enable()
 
 
 def _newer_field(what: str, since: tuple[int, int], version: tuple[int, ...]) -> str:

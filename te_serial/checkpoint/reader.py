@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
-import gc
 import operator
 import os
 import resource
@@ -29,7 +28,8 @@ from ..formats.tensors import QuantizedTensorStorage
 from ..formats.protocol import flatten_2d
 from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
-from .files import SafetensorsFile, checksum, open_regular
+from .files import (SHARD_METADATA, PlannedHeader, SafetensorsFile, checksum, gc_paused, open_regular,
+                    planned_header)
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
                        expected_buffers, format_checksum, region_shapes)
 
@@ -213,24 +213,36 @@ class Checkpoint:
             held = self._held.pop(name, None)
             if held is None and self._closed:
                 raise CheckpointError("the checkpoint handle is closed", file=str(self._file_path(name)))
-            f = SafetensorsFile(self._file_path(name), fd=held)
+            f = SafetensorsFile(self._file_path(name), fd=held, expected=self._planned_header(name))
             try:
                 if f.size != self.manifest.files[name]:
                     raise CheckpointFileError(f"file is {f.size} bytes, the manifest says {self.manifest.files[name]}",
                                               file=str(f.path))
-                self._check_header(name, f)
+                if not f.as_planned:  # its entries are the manifest's by construction when it is
+                    self._check_header(name, f)
             except BaseException:
                 f.close()
                 raise
             self._files[name] = f
         return f
 
-    def _check_header(self, name: str, f: SafetensorsFile) -> None:
-        """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
+    def _wanted(self, name: str) -> list[tuple[str, str, str, tuple[int, ...], torch.dtype]]:
+        """(tensor, buffer, key, shape, stored dtype) of every buffer the manifest puts in a file."""
         if self._by_file is None:
             self._by_file = self.manifest.buffers_by_file()
+        return self._by_file.get(name, [])
+
+    def _planned_header(self, name: str) -> PlannedHeader | None:
+        """The header te-serial's writer gives a shard holding the manifest's buffers of that file."""
+        if name == SELF_FILE:
+            return None  # a single file's header holds the manifest: it is parsed anyway
+        return planned_header([(key, shape, dtype) for _, _, key, shape, dtype in self._wanted(name)],
+                              SHARD_METADATA)
+
+    def _check_header(self, name: str, f: SafetensorsFile) -> None:
+        """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
         entries = f.entries
-        wanted = self._by_file.get(name, [])
+        wanted = self._wanted(name)
         found = list(map(entries.get, map(_KEY, wanted)))
         if None not in found and list(map(_SHAPE_DTYPE, found)) == list(map(_WANT_SHAPE_DTYPE, wanted)):
             return  # all at once; else the loop names the first buffer at fault
@@ -497,13 +509,8 @@ class Checkpoint:
         names = list(self.manifest.tensors) if names is None else list(names)
         copier = DeviceCopier(device) if device.type not in ("cpu", "meta") else None
         cache: dict = {}
-        enabled = gc.isenabled()
-        gc.disable()  # many small objects at once; see Manifest.from_bytes
-        try:
+        with gc_paused():  # many small objects at once
             out = {n: self._load(n, device, verify, copier, cache, mmap) for n in names}
-        finally:
-            if enabled:
-                gc.enable()
         if copier is not None:
             copier.finish()
         if as_te:

@@ -30,7 +30,7 @@ from ..formats.tensors import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
 from ..recipes import RECIPES, recipe_quantizer
 from ..te.interop import from_te, is_te_tensor
-from .files import TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path, writing
+from .files import SHARD_METADATA, TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path, writing
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, VERSION, BufferEntry, Manifest,
                        TensorEntry, buffer_key, expected_buffers)
 from .tree import TensorRef, flatten_tree
@@ -149,7 +149,7 @@ class CheckpointWriter:
             with writing(self.root):
                 self.root.mkdir(parents=True, exist_ok=True)
             save_id = secrets.token_hex(4)
-            self._files = ShardSet(self.root, layout, limit=limit, metadata={"format": "pt"},
+            self._files = ShardSet(self.root, layout, limit=limit, metadata=SHARD_METADATA,
                                    shard_name=lambda i, n: f"model-{save_id}-{i + 1:05d}-of-{n:05d}.safetensors")
 
     def _header_reserve(self) -> int:

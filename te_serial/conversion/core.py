@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
-from ..checkpoint.files import ShardSet, atomic_write, fsync_path, writing
+from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, fsync_path, writing
 from ..checkpoint.writer import CheckpointWriter, parse_size
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
@@ -388,7 +388,7 @@ class _Output:
                                            metadata=metadata)
         else:
             self.files = ShardSet(self.root, [k for p in plans for k in p.keys], limit=limit,
-                                  single=dst if self.single else None, metadata={"format": "pt"},
+                                  single=dst if self.single else None, metadata=SHARD_METADATA,
                                   shard_name=_hf_shard_name)
 
     def write(self, plan: TensorPlan, out: torch.Tensor) -> None:

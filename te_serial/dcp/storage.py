@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..checkpoint.files import ShardSet, atomic_write, clean_directory, fsync_path, writing
+from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, clean_directory, fsync_path, writing
 from ..checkpoint.manifest import MANIFEST_NAME, BufferEntry, Manifest, TensorEntry, buffer_key, chunk_key, \
     expected_buffers
 from ..checkpoint.reader import Checkpoint
@@ -119,7 +119,7 @@ class StorageWriter(_dcp.StorageWriter):
             return fut
         sd = plan.storage_data
         first, total, save_id = sd["first"], sd["total"], sd["save_id"]
-        files = ShardSet(self.path, self._layout(plan, sd["keys"]), limit=self.limit, metadata={"format": "pt"},
+        files = ShardSet(self.path, self._layout(plan, sd["keys"]), limit=self.limit, metadata=SHARD_METADATA,
                          shard_name=lambda i, n: f"model-{save_id}-{first + i + 1:05d}-of-{total:05d}.safetensors")
         results = []
         # in file order, so each file is written front to back
