@@ -43,7 +43,7 @@ class CheckpointError(TeSerialError):
         where = ", ".join(f"{k}={v!r}" for k, v in (("file", file), ("tensor", tensor),
                                                     ("field", field)) if v is not None)
         super().__init__(f"{message} ({where})" if where else message)
-        self.file, self.tensor, self.field = file, tensor, field
+        self.message, self.file, self.tensor, self.field = message, file, tensor, field
 
 
 class ManifestError(CheckpointError):

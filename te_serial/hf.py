@@ -12,7 +12,10 @@ load through transformers' own loop, with the bytes :func:`te_serial.load_into` 
 :func:`te_serial.quantize_model` give. Importing ``te_serial.hf`` is what registers; without it,
 transformers logs "Unknown quantization type, got te_serial" and then fails to find
 ``model.safetensors`` (a te-serial directory's weight index has its own name, :data:`HF_INDEX_NAME`),
-rather than loading the buffers as unexpected keys beside randomly initialized weights.
+rather than loading the buffers as unexpected keys beside randomly initialized weights. A
+``config.json`` ``save_quantized`` writes carries :data:`HF_INSTALL_HINT` as its ``transformers_weights``:
+transformers without te-serial refuses that value (it names no weight file) with a ValueError that
+quotes it, before it looks for weights; ``te_serial.hf`` replaces it with :data:`HF_INDEX_NAME`.
 
 How a te-serial checkpoint loads (``TeSerialHfQuantizer``, pre-quantized):
 
@@ -24,6 +27,13 @@ How a te-serial checkpoint loads (``TeSerialHfQuantizer``, pre-quantized):
   with ``te_serial.open`` (manifest and schema checked: an unknown quantizer kind or a newer format
   is te-serial's ``ManifestError`` / ``VersionError`` here, before any buffer is read; each shard's
   header is checked against the manifest at its first read), and derives from the manifest's prototypes which safetensors keys are whose;
+* from a hub repository, transformers downloads only the files the weight index names, into a
+  huggingface_hub cache snapshot (``<cache>/models--org--name/snapshots/<commit>/``); the manifest is
+  then fetched into the same snapshot with transformers' ``cached_file``, at the commit and cache read
+  off the shards' path (a ``token=``, ``proxies=`` or ``local_files_only=`` given to from_pretrained
+  does not reach a quantizer: huggingface_hub's own settings apply). The snapshot's files are
+  symlinks into the repository's ``blobs/``: te-serial's reader, which follows no link inside a
+  checkpoint, follows these to that folder and nowhere else (``Checkpoint(links_into=...)``);
 * ``serialized_names`` makes transformers collect, for each quantized weight, the keys of its
   small buffers (scales, amax: every buffer but the data) into one ``WeightConverter`` whose
   deserialize op, ``TeSerialDeserialize``, returns ``Checkpoint.get(name, device=...)``: the tensor
@@ -52,11 +62,19 @@ take quantize_model's shared amax: the first member quantized reads its group pa
 checkpoint files (cast to the load dtype, as transformers casts them) and computes it with
 quantize_model's own code; the partners then use it, so a group costs one extra read of its members.
 
+MoE models (transformers 5's Qwen2-MoE and its kin): the experts are one module with 3-D parameters
+(``experts.gate_up_proj``, ``experts.down_proj``), not ``nn.Linear`` weights, so te-serial keeps them
+in high precision, as it keeps the router; the attention and shared-expert linears are quantized. A
+te-serial checkpoint holds the model's own names, so the conversion mapping (per-expert keys merged
+into the 3-D parameters) has nothing to merge; quantize on load of a BF16 directory with per-expert
+keys merges them as transformers does, into parameters that stay in high precision. Quantized tensors
+that a conversion would merge or rename (per-expert linears of a model built as transformers 4 built
+Qwen2-MoE) are refused by ``update_weight_conversions``: te-serial neither merges nor renames them.
+
 ``model.save_pretrained`` of a loaded model writes a te-serial directory (``te_serial.model``'s
 ``_te_serial_save_pretrained``: ``save_quantized`` plus ``generation_config.json``), which loads back
-to the same bytes. Not in this module yet: grouped (MoE) tensors, checkpoint keys the model's
-conversion mapping renames, hub repositories (the directory must be local: ``te_serial.msgpack`` is
-not among the files transformers downloads) and disk offload.
+to the same bytes. Not in this module yet: te-serial's grouped (MoE) tensors (TE ``GroupedLinear``
+weights), quantized tensors a conversion mapping would merge or rename, and disk offload.
 """
 
 from __future__ import annotations
@@ -84,7 +102,7 @@ except ImportError as e:  # transformers is optional: only this module needs it
 from . import fusion
 from .checkpoint.manifest import MANIFEST_NAME, VERSION, expected_buffers
 from .checkpoint.reader import Checkpoint
-from .checkpoint.writer import HF_INDEX_NAME, QUANT_METHOD, quantization_config
+from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
 from .errors import CheckpointError, ConversionError, FormatError, ShapeError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
 from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal
@@ -154,6 +172,23 @@ def _matches(name: str, patterns: Sequence[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
 
 
+def _hub_snapshot(folder: Path) -> tuple[Path, str, str, str] | None:
+    """(repository folder, repo id, commit, subfolder) of a folder inside a huggingface_hub cache
+    snapshot, ``<cache>/models--org--name/snapshots/<commit>/[subfolder]``, where transformers puts
+    the files it downloads; None for any other folder."""
+    from huggingface_hub.constants import REPO_ID_SEPARATOR
+    from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
+    parts = folder.parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] != "snapshots" or not REGEX_COMMIT_HASH.fullmatch(parts[i + 1]):
+            continue
+        kind, _, name = parts[i - 1].partition(REPO_ID_SEPARATOR)
+        repo_id = name.replace(REPO_ID_SEPARATOR, "/")
+        if kind == "models" and name and repo_folder_name(repo_id=repo_id, repo_type="model") == parts[i - 1]:
+            return Path(*parts[:i]), repo_id, parts[i + 1], "/".join(parts[i + 2:])
+    return None
+
+
 class _Op(ConversionOps):
     """An op that holds the quantizer by reference: transformers deep-copies a converter per weight,
     and the quantizer holds the open checkpoint."""
@@ -218,8 +253,9 @@ class TeSerialHfQuantizer(HfQuantizer):
                                             "without disk")
 
     def update_attn_implementation(self, config: Any) -> Any:
-        # the only hook that sees the config before transformers looks for the weight files
-        if self.pre_quantized and getattr(config, "transformers_weights", None) is None:
+        # the only hook that sees the config before transformers looks for the weight files; the
+        # install hint a te-serial config.json carries there (HF_INSTALL_HINT) is for transformers alone
+        if self.pre_quantized and getattr(config, "transformers_weights", None) in (None, HF_INSTALL_HINT):
             config.transformers_weights = HF_INDEX_NAME
         return config
 
@@ -240,17 +276,34 @@ class TeSerialHfQuantizer(HfQuantizer):
             raise CheckpointError("a te-serial checkpoint loads from its safetensors shards (through "
                                   f"{HF_INDEX_NAME}); transformers found {checkpoint_files!r}")
         root = Path(checkpoint_files[0]).parent
-        if not (root / MANIFEST_NAME).is_file():
+        snapshot = _hub_snapshot(root)
+        if snapshot is not None:
+            self._hub_manifest(root, *snapshot)
+        elif not (root / MANIFEST_NAME).is_file():
             raise CheckpointError(f"config.json says quant_method {QUANT_METHOD!r}, but there is no {MANIFEST_NAME} "
-                                  "beside the shards (from_pretrained reads te-serial checkpoints from a local "
-                                  "directory)", file=str(root))
-        ckpt = Checkpoint(root)  # manifest, schema, registry checked now; each shard's header at its first read
+                                  "beside the shards (save_quantized writes it; copy the whole directory)",
+                                  file=str(root))
+        # a hub snapshot's files are symlinks to its repository's blobs: followed there, and only there
+        ckpt = Checkpoint(root, links_into=snapshot[0] / "blobs" if snapshot is not None else None)
         try:
             self._serialized = self._keys(model, ckpt, checkpoint_files, root)
         except BaseException:
             ckpt.close()
             raise
         self._ckpt = ckpt
+
+    def _hub_manifest(self, root: Path, repo_dir: Path, repo_id: str, commit: str, subfolder: str) -> None:
+        """Resolve the manifest of a hub repository into the snapshot transformers downloaded the
+        shards to (transformers downloads only the files the weight index names): transformers'
+        own ``cached_file``, at the commit and cache the shards came from."""
+        from transformers.utils import cached_file
+        try:  # a file already in the snapshot is returned without asking the hub
+            cached_file(repo_id, MANIFEST_NAME, cache_dir=str(repo_dir.parent), revision=commit, subfolder=subfolder)
+        except OSError as e:
+            raise CheckpointError(f"config.json says quant_method {QUANT_METHOD!r}, but hub repository {repo_id} at "
+                                  f"revision {commit} gives no {MANIFEST_NAME} (te-serial's manifest, which "
+                                  f"save_quantized writes beside the shards: upload the whole directory): {e}",
+                                  file=str(root / MANIFEST_NAME)) from e
 
     def _keys(self, model: nn.Module, ckpt: Checkpoint, checkpoint_files: list[str], root: Path) -> dict[str, list[str]]:
         """``serialized_names`` from the manifest's prototypes: per parameter name (``weight``), the
@@ -345,8 +398,10 @@ class TeSerialHfQuantizer(HfQuantizer):
                     if hit is not None:
                         raise UnsupportedOperationError(
                             f"{type(model).__name__}'s conversion mapping rewrites {hit!r} "
-                            f"({conv.source_patterns} → {conv.target_patterns}); quantized te-serial tensors "
-                            "load through from_pretrained only under their own names (use te_serial.load_into)")
+                            f"({conv.source_patterns} → {conv.target_patterns}): te-serial neither merges nor "
+                            "renames quantized tensors, so they load through from_pretrained only under the "
+                            "model's own parameter names (te_serial.load_into loads this checkpoint into a model "
+                            "that has its names; or quantize the model's BF16 checkpoint on load)")
         return super().update_weight_conversions(weight_conversions, model)
 
     # --- one weight at a time -----------------------------------------------------------------------

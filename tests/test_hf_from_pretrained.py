@@ -1,16 +1,20 @@
 """``from_pretrained`` of te-serial checkpoints and quantize on load, through ``te_serial.hf``.
 
-Real transformers classes (Llama, Qwen2) from small configs with random weights, no hub access;
-every dim a multiple of 128, so every recipe applies. The references are te-serial's own paths:
-``load_into`` of the same checkpoint (same quantizers, same bytes, bit-equal logits) and
-``quantize_model`` of the same BF16 model (same bytes).
+Real transformers classes (Llama, Qwen2, Qwen2-MoE) from small configs with random weights, no
+network (hub repositories are fake huggingface_hub caches read offline); every Llama/Qwen2 dim a
+multiple of 128, so every recipe applies (Qwen2-MoE's [1, hidden] shared-expert gate is refused by
+some). The references are te-serial's own paths: ``load_into`` of the same checkpoint (same
+quantizers, same bytes, bit-equal logits) and ``quantize_model`` of the same BF16 model (same bytes).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import json
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -21,12 +25,12 @@ import te_serial as ts
 from helpers import seeded_hf_model
 from te_serial import errors as tse
 from te_serial import formats as tsf
-from te_serial.recipes import RECIPES
+from te_serial.recipes import RECIPES, recipe_quantizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 import transformers.core_model_loading as cml  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig  # noqa: E402
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING  # noqa: E402
 
 import te_serial.hf as tshf  # noqa: E402  (registers the te_serial method)
@@ -39,7 +43,15 @@ SMALL = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64)
 
 
+#: Qwen2-MoE: 4 experts (transformers 5 holds them as 3-D parameters), a shared expert and its [1, 128] gate
+MOE = dict(vocab_size=256, hidden_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+           num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           max_position_embeddings=64)
+
+
 def _config(arch="llama", tied=True, **kw):
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**{**MOE, **kw}, tie_word_embeddings=tied)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     return cls(**{**SMALL, **kw}, tie_word_embeddings=tied)
 
@@ -51,7 +63,7 @@ _bf16_model = seeded_hf_model
 def bf16_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16")
     out = {}
-    for arch, tied in (("llama", True), ("qwen2", False)):
+    for arch, tied in (("llama", True), ("qwen2", False), ("qwen2_moe", False)):
         path = root / arch
         _bf16_model(_config(arch, tied)).save_pretrained(path)
         out[arch] = path
@@ -62,8 +74,33 @@ def _te_dir(path: Path, arch, recipe, columnwise, tied=None):
     """quantize_model + save_quantized of the seeded BF16 model: a te-serial checkpoint directory."""
     model = _bf16_model(_config(arch, arch == "llama" if tied is None else tied))
     ts.quantize_model(model, recipe, columnwise=columnwise)
-    ts.save_quantized(model, path, max_shard_size="5GB" if arch == "llama" else "200KB")  # qwen2: sharded
+    ts.save_quantized(model, path, max_shard_size="5GB" if arch == "llama" else "200KB")  # the others: sharded
     return path
+
+
+def _refuses(recipe, shape, columnwise=False):
+    """Whether the recipe's shape rule refuses a weight of this shape (quantize_model then warns and keeps it)."""
+    try:
+        recipe_quantizer(recipe, rowwise=True, columnwise=columnwise).check_shape(shape)
+    except tse.ShapeError:
+        return True
+    return False
+
+
+def _left_unquantized(caught):
+    """The weight names quantize_model's (or quantize on load's) shape warnings name."""
+    return sorted(str(w.message).split()[1] for w in caught if "left unquantized" in str(w.message))
+
+
+def _moe_quantized(recipe, columnwise=False):
+    """The Qwen2-MoE weights te-serial quantizes: attention and shared-expert linears, and the
+    shared-expert gate where the recipe holds its [1, hidden] shape; never the router (mlp.gate),
+    nor the experts' 3-D parameters (not nn.Linear weights)."""
+    mods = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mods += [f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    if not _refuses(recipe, (1, MOE["hidden_size"]), columnwise):
+        mods.append("mlp.shared_expert_gate")
+    return sorted(f"model.layers.{i}.{m}.weight" for i in range(MOE["num_hidden_layers"]) for m in mods)
 
 
 def _meta_model(cfg, dtype=torch.bfloat16):
@@ -176,6 +213,59 @@ def test_from_pretrained_of_a_te_serial_checkpoint_equals_load_into(tmp_path, ma
     assert sum(materialized) == small and data > small  # transformers never read a data buffer
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_from_pretrained_of_a_te_serial_moe_checkpoint_equals_load_into(tmp_path, materialized, recipe):
+    """Qwen2-MoE: the attention and shared-expert linears quantized, the router and the experts' 3-D
+    parameters in high precision, as quantize_model leaves them. The checkpoint holds the model's own
+    names (3-D ``experts.gate_up_proj``), so transformers' MoE conversion mapping (per-expert keys
+    merged into the 3-D parameters) finds nothing to merge and no quantized tensor to rewrite."""
+    refused = _refuses(recipe, (1, MOE["hidden_size"]), columnwise=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = _te_dir(tmp_path / "ck", "qwen2_moe", recipe, True)
+    assert _left_unquantized(caught) == ([f"model.layers.{i}.mlp.shared_expert_gate.weight" for i in (0, 1)]
+                                         if refused else [])
+    with ts.open(path) as ck:
+        assert len(ck.manifest.files) > 1 and "model.layers.1.mlp.experts.gate_up_proj" in ck
+        assert not any(".experts.0." in n for n in ck)
+    got = AutoModelForCausalLM.from_pretrained(path)
+    want = ts.load_into(_meta_model(_config("qwen2_moe", False)), path)
+    _assert_same_model(got, want)
+    _assert_same_logits(got, want)
+    assert _quantized(got) == _moe_quantized(recipe, columnwise=True)
+    experts = got.model.layers[1].mlp.experts
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert type(p) is torch.nn.Parameter and p.dim() == 3 and p.dtype == torch.bfloat16
+    assert got.config.quantization_config.recipe == recipe
+    small, _ = _numel_split(path)
+    assert sum(materialized) == small  # transformers never read a data buffer
+
+
+def test_quantized_per_expert_tensors_the_conversion_mapping_would_merge_are_refused(tmp_path):
+    """A checkpoint of quantized per-expert linears (a Qwen2-MoE with one nn.Linear per expert, as
+    transformers 4 built it): transformers 5 merges those keys into 3-D parameters, which te-serial
+    does not do to quantized tensors; te-serial's error names the tensor and the mapping."""
+    model = _bf16_model(_config("qwen2_moe", False))
+    for layer in model.model.layers:
+        packed, inter = layer.mlp.experts, MOE["moe_intermediate_size"]
+        per_expert = torch.nn.ModuleList()
+        for e in range(MOE["num_experts"]):
+            expert = torch.nn.Module()
+            for name, w in (("gate_proj", packed.gate_up_proj[e, :inter]), ("up_proj", packed.gate_up_proj[e, inter:]),
+                            ("down_proj", packed.down_proj[e])):
+                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+                linear.weight = torch.nn.Parameter(w.detach().clone())
+                setattr(expert, name, linear)
+            per_expert.append(expert)
+        layer.mlp.experts = per_expert
+    ts.quantize_model(model, "fp8_block", columnwise=False)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in _quantized(model)
+    ts.save_quantized(model, tmp_path / "ck")
+    with pytest.raises(tse.UnsupportedOperationError, match=r"conversion mapping rewrites 'model\.layers\.\d+\.mlp"
+                                                            r"\.experts\.\d+\.\w+_proj\.weight'.*neither merges"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+
+
 def test_dtype_and_device_maps(tmp_path):
     path = _te_dir(tmp_path / "ck", "qwen2", "nvfp4", True)
     cfg = _config("qwen2", False)
@@ -249,6 +339,42 @@ def test_quantize_on_load_equals_quantize_model(bf16_dirs, tmp_path, recipe, arc
     _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "ck"), got)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantize_on_load_of_a_moe_equals_quantize_model(bf16_dirs, tmp_path, recipe):
+    """Qwen2-MoE as transformers' save_pretrained writes it (one key per expert): the conversion
+    mapping merges the experts into their 3-D parameters, which stay in high precision; the other
+    weights get quantize_model's bytes (nvfp4: the shared expert's gate/up share one amax), and a
+    weight the recipe's shape rule refuses stays in high precision with quantize_model's warning."""
+    from safetensors import safe_open
+    with safe_open(bf16_dirs["qwen2_moe"] / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in keys  # one key per expert: the mapping merges them
+    assert "model.layers.0.mlp.experts.down_proj" not in keys
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = AutoModelForCausalLM.from_pretrained(bf16_dirs["qwen2_moe"], quantization_config=TeSerialConfig(
+            recipe=recipe, usages=["rowwise"]))
+    want = AutoModelForCausalLM.from_pretrained(bf16_dirs["qwen2_moe"])
+    with warnings.catch_warnings(record=True) as caught_want:
+        warnings.simplefilter("always")
+        ts.quantize_model(want, recipe, columnwise=False)
+    assert _left_unquantized(caught) == _left_unquantized(caught_want)
+    assert _refuses(recipe, (1, MOE["hidden_size"])) == bool(_left_unquantized(caught))
+    assert all("shared_expert_gate" in n for n in _left_unquantized(caught))
+    _assert_same_model(got, want)
+    _assert_same_logits(got, want)
+    assert _quantized(got) == _moe_quantized(recipe)
+    source = _bf16_model(_config("qwen2_moe", False))  # the merged experts are the source model's
+    for a, b in zip(got.model.layers, source.model.layers):
+        assert torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
+        assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
+    if recipe == "nvfp4":  # one tensor scale for the shared expert's gate/up group
+        gate, up = (getattr(got.model.layers[1].mlp.shared_expert, m).weight for m in ("gate_proj", "up_proj"))
+        assert torch.equal(gate.buffers()["_amax_rowwise"], up.buffers()["_amax_rowwise"])
+    ts.save_quantized(got, tmp_path / "ck", max_shard_size="200KB")  # and back through a te-serial checkpoint
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "ck"), got)
+
+
 def test_fused_off_quantizes_each_member_on_its_own(bf16_dirs):
     got = AutoModelForCausalLM.from_pretrained(bf16_dirs["llama"], quantization_config=TeSerialConfig(
         recipe="nvfp4", usages=["rowwise"], fused="off"))
@@ -290,6 +416,97 @@ def test_a_weight_the_recipe_cannot_hold_stays_high_precision_with_a_warning(tmp
     assert len(_quantized(got)) == 8  # attention only
 
 
+# --- hub repositories (a huggingface_hub cache, read offline) ------------------------------------------
+
+def _fake_hub(cache: Path, repo_id: str, src: Path, *, symlinks: bool, leave_out=()) -> Path:
+    """``src``'s files as a hub download leaves them in ``cache``: ``models--org--name/refs/main``
+    holding the commit, ``snapshots/<commit>/`` holding the files, as symlinks into ``blobs/``
+    (huggingface_hub on Linux) or as plain files (where it cannot link). Returns the repository folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in sorted(src.iterdir()):
+        if f.name in leave_out:
+            continue
+        if symlinks:
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            blob.parent.mkdir(exist_ok=True)
+            shutil.copyfile(f, blob)
+            (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+        else:
+            shutil.copyfile(f, snapshot / f.name)
+    return repo
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty hub cache that huggingface_hub and transformers use, offline (huggingface_hub reads
+    HF_HUB_CACHE and HF_HUB_OFFLINE into its constants at import: both are set there)."""
+    import huggingface_hub.constants as hub_constants
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+@pytest.mark.parametrize("symlinks, cache_dir", [(True, False), (False, True)])
+def test_from_pretrained_of_a_hub_repository_equals_the_local_load(tmp_path, offline_hub, symlinks, cache_dir):
+    """from_pretrained("org/name"): transformers downloads config.json, te-serial's weight index and
+    the shards it names; te_serial.hf resolves the manifest into the same snapshot with
+    transformers' cached_file, and te-serial's reader follows the snapshot's links to the
+    repository's blobs (and no other link); the cache is left as it was."""
+    path = _te_dir(tmp_path / "ck", "qwen2", "nvfp4", True)  # sharded
+    cache = tmp_path / "elsewhere" if cache_dir else offline_hub
+    repo = _fake_hub(cache, "someone/tiny-qwen2-nvfp4", path, symlinks=symlinks)
+    blobs = sorted(os.listdir(repo / "blobs")) if symlinks else None
+    where = {"cache_dir": str(cache), "revision": (repo / "refs" / "main").read_text()} if cache_dir else {}
+    got = AutoModelForCausalLM.from_pretrained("someone/tiny-qwen2-nvfp4", **where)
+    want = AutoModelForCausalLM.from_pretrained(path)
+    _assert_same_model(got, want)
+    _assert_same_logits(got, want)
+    assert len(_quantized(got)) == 14 and got.config.quantization_config.recipe == "nvfp4"
+    assert sorted(p.name for p in repo.iterdir()) == ["blobs"] * symlinks + ["refs", "snapshots"]
+    if symlinks:  # the cache as it was: the blobs, and the snapshot's links to them
+        assert sorted(os.listdir(repo / "blobs")) == blobs
+        files = list((repo / "snapshots").glob("*/*"))
+        assert len(files) == len(os.listdir(path)) and all(p.is_symlink() and p.exists() for p in files)
+
+
+def test_a_hub_repository_without_the_manifest_is_a_te_serial_error(tmp_path, offline_hub):
+    """No te_serial.msgpack in the repository: te-serial's CheckpointError names the repository and
+    the manifest, with transformers' reason (not in the cache offline; known missing on the hub)."""
+    path = _te_dir(tmp_path / "ck", "qwen2", "mxfp8", False)
+    repo = _fake_hub(offline_hub, "someone/no-manifest", path, symlinks=True, leave_out={"te_serial.msgpack"})
+    with pytest.raises(tse.CheckpointError, match=r"hub repository someone/no-manifest .*te_serial\.msgpack.*"
+                                                  r"couldn't find them in the cached files"):
+        AutoModelForCausalLM.from_pretrained("someone/no-manifest")
+    commit = (repo / "refs" / "main").read_text()
+    (repo / ".no_exist" / commit).mkdir(parents=True)  # what huggingface_hub records when the hub says 404
+    (repo / ".no_exist" / commit / "te_serial.msgpack").touch()
+    with pytest.raises(tse.CheckpointError, match=r"does not appear to have a file named te_serial\.msgpack"):
+        AutoModelForCausalLM.from_pretrained("someone/no-manifest")
+
+
+def test_a_hub_cache_link_that_leads_outside_its_blobs_is_refused(tmp_path, offline_hub):
+    """te-serial follows a hub cache's links only to a blob of the same repository."""
+    path = _te_dir(tmp_path / "ck", "qwen2", "mxfp8", False)
+    repo = _fake_hub(offline_hub, "someone/odd-link", path, symlinks=True)
+    manifest = next((repo / "snapshots").glob("*/te_serial.msgpack"))
+    outside = tmp_path / "outside.msgpack"
+    shutil.copyfile(manifest, outside)
+    manifest.unlink()
+    manifest.symlink_to(outside)
+    with pytest.raises(tse.CheckpointError, match="symbolic link; te-serial does not follow links inside a "
+                                                  "checkpoint except to a file in .*blobs"):
+        AutoModelForCausalLM.from_pretrained("someone/odd-link")
+
+
 # --- errors a user can act on -------------------------------------------------------------------------
 
 def test_an_unknown_quantizer_kind_is_te_serials_manifest_error(tmp_path):
@@ -309,16 +526,35 @@ def test_a_config_json_from_another_checkpoint_is_refused(tmp_path):
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_without_te_serial_hf_transformers_finds_no_weights(tmp_path, monkeypatch):
-    """What a user who never imported te_serial.hf sees: transformers skips the unknown method and
-    then finds no model.safetensors (never random weights beside unexpected buffers)."""
+def test_without_te_serial_hf_transformers_quotes_the_install_hint(tmp_path, monkeypatch):
+    """What a user who never imported te_serial.hf sees: transformers skips the unknown method, then
+    refuses config.json's ``transformers_weights`` — the install hint save_quantized writes there —
+    quoting it, before it looks for any weight (never random weights beside unexpected buffers)."""
     path = _te_dir(tmp_path / "ck", "llama", "mxfp8", False)
+    assert json.loads((path / "config.json").read_text())["transformers_weights"] == tshf.HF_INSTALL_HINT
+    got = AutoModelForCausalLM.from_pretrained(path)  # with te_serial.hf, the hint is not in the way
+    assert not hasattr(got.config, "transformers_weights")
     assert AUTO_QUANTIZER_MAPPING["te_serial"] is tshf.TeSerialHfQuantizer  # importing te_serial.hf registered it
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["te_serial"] is TeSerialConfig
     monkeypatch.delitem(AUTO_QUANTIZER_MAPPING, "te_serial")
     monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "te_serial")
+    with pytest.raises(ValueError, match=re.escape(tshf.HF_INSTALL_HINT)):
+        AutoModelForCausalLM.from_pretrained(path)
+    config = json.loads((path / "config.json").read_text())  # a config.json without the hint: no weights found
+    del config["transformers_weights"]
+    (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(OSError, match="model.safetensors"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_conversion_of_a_te_serial_directory_drops_its_hf_markers(tmp_path):
+    """A BF16 conversion of a te-serial directory is a plain Hugging Face directory: no te-serial
+    quantization_config and no install hint in its config.json, so transformers loads it by itself."""
+    path = _te_dir(tmp_path / "ck", "llama", "mxfp8", False)
+    ts.convert(path, tmp_path / "bf16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "transformers_weights" not in config and "quantization_config" not in config
+    assert config["architectures"] == json.loads((path / "config.json").read_text())["architectures"]
 
 
 def test_config_values_are_checked(bf16_dirs):

@@ -163,3 +163,27 @@ def test_a_reader_holds_its_version_while_a_two_rank_dcp_save_commits(tmp_path):
         want3 = version_state(3)
         for name, t in want3.items():
             assert _same(newest.get(name), t), name
+
+
+def test_links_are_followed_only_into_the_folder_named(tmp_path):
+    """``Checkpoint(links_into=folder)``: files that are symlinks to files directly in that folder
+    (a hub cache snapshot and its blobs) are read; a link anywhere else, or without the option, is refused."""
+    import shutil
+    src, blobs, snap = tmp_path / "src", tmp_path / "blobs", tmp_path / "snap"
+    sd = {"w": ts.MXFP8Quantizer()(torch.randn(64, 64)), "b": torch.randn(8)}
+    ts.save_quantized(sd, src)
+    blobs.mkdir(), snap.mkdir()
+    for i, f in enumerate(sorted(src.iterdir())):
+        shutil.copyfile(f, blobs / f"blob{i}")
+        os.symlink(blobs / f"blob{i}", snap / f.name)
+    with pytest.raises(ts.errors.ManifestError, match="symbolic link"):  # the manifest, the first file opened
+        reader_mod.Checkpoint(snap)
+    got = reader_mod.Checkpoint(snap, links_into=blobs).load_tensors()
+    assert torch.equal(got["b"], sd["b"]) and torch.equal(got["w"].dequantize(), sd["w"].dequantize())
+    shard = next(p for p in snap.iterdir() if p.suffix == ".safetensors")
+    (blobs / "deeper").mkdir()
+    shutil.copyfile(shard, blobs / "deeper" / "x")
+    shard.unlink()
+    os.symlink(blobs / "deeper" / "x", shard)  # not directly in the folder
+    with pytest.raises(CheckpointFileError, match="except to a file in"):
+        reader_mod.Checkpoint(snap, links_into=blobs)

@@ -382,13 +382,19 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return b"".join(parts)
 
 
-def open_regular(path: Path, *, follow_symlinks: bool = False) -> tuple[int, int]:
-    """(descriptor, size) of a regular file; a symlink (unless followed), FIFO or device is refused."""
+def open_regular(path: Path, *, follow_symlinks: bool = False, links_into: Path | None = None) -> tuple[int, int]:
+    """(descriptor, size) of a regular file; a symlink (unless followed), FIFO or device is refused.
+    ``links_into``: a symlink to a file directly inside that folder is followed (a hub cache
+    snapshot's links to its repository's blobs), any other link refused."""
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
     try:
         if not follow_symlinks and path.is_symlink():
-            raise CheckpointFileError("is a symbolic link; te-serial does not follow links inside a "
-                                      "checkpoint", file=str(path))
+            target = path.resolve() if links_into is not None else None
+            if target is None or target.parent != links_into.resolve():
+                raise CheckpointFileError("is a symbolic link; te-serial does not follow links inside a checkpoint"
+                                          + (f" except to a file in {links_into}" if links_into is not None else ""),
+                                          file=str(path))
+            path = target  # opened without following a further link
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise CheckpointFileError("file is missing", file=str(path)) from None

@@ -69,11 +69,11 @@ _KEY, _WANT_SHAPE_DTYPE = operator.itemgetter(2), operator.itemgetter(3, 4)   # 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")                          # of a header Entry
 
 
-def _open_held(path: Path) -> tuple[int, int]:
+def _open_held(path: Path, links_into: Path | None = None) -> tuple[int, int]:
     """(descriptor, size) of a checkpoint file to hold; where the process runs out of descriptors,
     the soft limit is raised toward the hard one once, else the error says what to raise."""
     try:
-        return open_regular(path)
+        return open_regular(path, links_into=links_into)
     except CheckpointFileError as e:
         if not isinstance(e.__context__, OSError) or e.__context__.errno != errno.EMFILE:
             raise
@@ -82,7 +82,7 @@ def _open_held(path: Path) -> tuple[int, int]:
     if want != soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            return open_regular(path)
+            return open_regular(path, links_into=links_into)
         except (ValueError, OSError, CheckpointFileError):
             pass
     raise CheckpointFileError(f"cannot hold this checkpoint's files open: the process may open {soft} files "
@@ -92,8 +92,11 @@ def _open_held(path: Path) -> tuple[int, int]:
 class Checkpoint:
     """A lazily opened checkpoint (``te_serial.open(path)``): prototypes now, bytes on demand."""
 
-    def __init__(self, path: str | os.PathLike, *, strict: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, strict: bool = True, links_into: str | os.PathLike | None = None) -> None:
+        """``links_into``: a directory checkpoint's files may be symlinks to files directly in that
+        folder (a Hugging Face hub cache snapshot, whose files link to its repository's blobs)."""
         self.path = Path(path)
+        self._links_into = Path(links_into) if links_into is not None else None
         self._files: dict[str, SafetensorsFile] = {}   # file → opened, header checked against the manifest
         self._by_file: dict[str, list] | None = None
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
@@ -123,13 +126,12 @@ class Checkpoint:
         self._protos = self.manifest.protos_by_name()
         self._metadata = MappingProxyType(self.manifest.metadata)
 
-    @staticmethod
-    def _read_manifest(path: Path) -> bytes:
+    def _read_manifest(self, path: Path) -> bytes:
         try:
-            fd, size = open_regular(path)
+            fd, size = open_regular(path, links_into=self._links_into)
         except CheckpointFileError as e:
             missing = not path.exists() and not path.is_symlink()
-            raise ManifestError(f"no {MANIFEST_NAME} in checkpoint directory" if missing else str(e),
+            raise ManifestError(f"no {MANIFEST_NAME} in checkpoint directory" if missing else e.message,
                                 file=str(path.parent if missing else path)) from None
         try:
             if size > MAX_MANIFEST_BYTES:
@@ -195,7 +197,7 @@ class Checkpoint:
         """Open every listed file (a regular file, no symlink) and check its size."""
         for name, size in self.manifest.files.items():
             p = self._file_path(name)
-            fd, got = _open_held(p)
+            fd, got = _open_held(p, self._links_into)
             self._held[name] = (fd, got)
             if got != size:
                 raise CheckpointFileError(f"file is {got} bytes, the manifest says {size} (truncated or "

@@ -297,6 +297,10 @@ QUANT_METHOD = "te_serial"
 #: tensors. Not ``model.safetensors.index.json``: transformers without te-serial's quantizer then
 #: finds no weights and says so, instead of loading the buffers as unexpected keys and random weights
 HF_INDEX_NAME = "te_serial.safetensors.index.json"
+#: ``config.json``'s ``transformers_weights`` in such a directory: it names no weight file, so
+#: transformers without te-serial refuses it and quotes it (``te_serial.hf`` points it to
+#: :data:`HF_INDEX_NAME` while loading)
+HF_INSTALL_HINT = "te-serial checkpoint: pip install 'te-serial[hf]' and import te_serial.hf before from_pretrained"
 
 
 def _recipe_of(q: Any, uniform_usages: bool, cache: dict) -> str | dict:
@@ -351,10 +355,18 @@ def _hf_config(obj: Any, protos: Mapping[str, TensorProto] | None = None) -> str
     if not data.get("architectures"):
         data["architectures"] = [type(obj).__name__]
     qc = quantization_config(protos) if protos is not None else None
+    data = without_te_serial_config(data)
     if qc is not None:
-        data["quantization_config"] = qc
-    elif (data.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
-        del data["quantization_config"]
-    if data.get("transformers_weights") == HF_INDEX_NAME:  # te_serial.hf's pointer while loading
-        del data["transformers_weights"]
+        data.update(quantization_config=qc, transformers_weights=HF_INSTALL_HINT)
     return json.dumps(data, sort_keys=True)
+
+
+def without_te_serial_config(data: dict) -> dict:
+    """A Hugging Face config (a dict) less what marks a te-serial directory: its ``quantization_config``
+    and the install hint (or ``te_serial.hf``'s pointer) in ``transformers_weights``."""
+    data = dict(data)
+    if (data.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+        del data["quantization_config"]
+    if data.get("transformers_weights") in (HF_INSTALL_HINT, HF_INDEX_NAME):
+        del data["transformers_weights"]
+    return data

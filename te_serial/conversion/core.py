@@ -23,7 +23,7 @@ import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
 from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, fsync_path, writing
-from ..checkpoint.writer import CheckpointWriter, parse_size
+from ..checkpoint.writer import CheckpointWriter, parse_size, without_te_serial_config
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
 from ..formats.tensors import QuantizedTensorStorage
@@ -482,7 +482,7 @@ def _ignored_modules(plans: list[TensorPlan], source: Source) -> list[str]:
 
 def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[TensorPlan]) -> dict | None:
     """config.json for the output: the source's, with a quantization_config that matches the weights."""
-    base = dict(source.config) if isinstance(source.config, dict) else None
+    base = without_te_serial_config(source.config) if isinstance(source.config, dict) else None
     if family in ("te", "plain"):
         if base is None:
             return None
