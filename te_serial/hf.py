@@ -100,6 +100,7 @@ except ImportError as e:  # transformers is optional: only this module needs it
     raise ImportError("te_serial.hf needs transformers 5 or later (pip install 'te-serial[hf]')") from e
 
 from . import fusion
+from .checkpoint.files import release_pages
 from .checkpoint.manifest import MANIFEST_NAME, VERSION, expected_buffers
 from .checkpoint.reader import Checkpoint
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
@@ -223,7 +224,9 @@ class TeSerialQuantize(_Op):
                 **kwargs: Any) -> dict[str, nn.Parameter]:
         (key, value), = input_dict.items()
         value = value[0] if isinstance(value, list) else value
-        return {key: self.hf_quantizer._quantize(key, value, model)}
+        out = {key: self.hf_quantizer._quantize(key, value, model)}
+        release_pages(value)  # the source file's pages, read: the process holds only what it loaded
+        return out
 
 
 class TeSerialHfQuantizer(HfQuantizer):

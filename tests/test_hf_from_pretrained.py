@@ -673,3 +673,47 @@ def test_peft_lora_trains_adapters_over_the_frozen_quantized_base(tmp_path, monk
     for n, bufs in base.items():
         for k, b in bufs.items():
             assert torch.equal(now[n].buffers()[k].view(torch.uint8), b.view(torch.uint8)), (n, k)
+
+
+# --- memory ------------------------------------------------------------------------------------------
+
+def _status_kib(field: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field + ":")).split()[1])
+
+
+def test_release_pages_takes_a_read_files_pages_out_of_the_process(tmp_path):
+    """A file's pages read through mmap stop counting in the process's resident memory once released
+    (they stay readable: the same bytes come back from the file)."""
+    from te_serial.checkpoint.files import release_pages
+    path = tmp_path / "f.bin"
+    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+    data.numpy().tofile(path)
+    mapped = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=64 << 20)
+    t = torch.empty(0, dtype=torch.uint8).set_(mapped)
+    assert int(t.sum()) == int(data.sum())  # every page read
+    before = _status_kib("RssFile")
+    release_pages(t)
+    assert before - _status_kib("RssFile") >= 48 << 10  # KiB: most of the 64 MiB left the process
+    assert torch.equal(t, data)
+
+
+def test_quantize_on_load_holds_no_more_of_the_source_than_it_quantizes(tmp_path):
+    """Quantize on load reads each BF16 weight through transformers (mmap'd file pages) and releases
+    its pages once quantized: the peak resident memory grows by about the quantized model, not by
+    the BF16 file beside it."""
+    cfg = _config("llama", False, hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
+    src = tmp_path / "bf16"
+    _bf16_model(cfg).save_pretrained(src)
+    bf16_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    # a first load makes what every later one of these shapes reuses (imports, compiled kernels)
+    AutoModelForCausalLM.from_pretrained(src, quantization_config=TeSerialConfig(recipe="mxfp8", usages=["rowwise"]))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak RSS from here
+    before = _status_kib("VmRSS")
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=TeSerialConfig(recipe="mxfp8",
+                                                                                       usages=["rowwise"]))
+    grew = (_status_kib("VmHWM") - before) << 10
+    held = sum(b.numel() * b.element_size() for p in model.parameters()
+               for b in (p.buffers().values() if hasattr(p, "quantizer") else [p]))
+    assert held < 0.6 * bf16_bytes  # MXFP8 weights, BF16 embeddings and norms
+    assert grew < held + 0.25 * bf16_bytes, (grew, held, bf16_bytes)  # without the release: held + bf16_bytes

@@ -631,14 +631,37 @@ _WRITEBACK_MIN_BYTES = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 
 
-@functools.lru_cache(maxsize=1)
-def _sync_file_range() -> Callable | None:
+@functools.lru_cache(maxsize=None)
+def _libc(name: str, argtypes: tuple) -> Callable | None:
+    """A libc function by name (None where there is none: not Linux)."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = list(argtypes)
     return fn
+
+
+def _sync_file_range() -> Callable | None:
+    return _libc("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
+
+
+_MADV_PAGEOUT = 21  # <linux/mman.h> (Linux 5.4): reclaim the range's pages; never loses data
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Hint that the memory of CPU tensor ``t``, read and no longer needed, may leave the process:
+    where it is a file's mapped pages (a safetensors file read through mmap), they stop counting
+    in its resident memory, so reading a whole file a tensor at a time stays bounded by what is
+    held. Only pages wholly inside ``t`` are named; memory that is not a file's is left as it is
+    (no swap), and where the hint is refused nothing changes."""
+    fn = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if fn is None or t.device.type != "cpu" or not t.numel():
+        return
+    start, page = t.data_ptr(), mmap.PAGESIZE
+    first, end = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
+    if end > first:
+        fn(first, end - first, _MADV_PAGEOUT)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
