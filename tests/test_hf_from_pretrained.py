@@ -599,8 +599,8 @@ def test_save_pretrained_round_trips_and_push_to_hub_goes_through_it(tmp_path, m
 
 
 def test_pipeline_and_generate_on_a_loaded_model(tmp_path):
-    """generate with the KV cache, and pipeline("text-generation") built on the loaded model, give
-    the same tokens as the load_into model (greedy)."""
+    """generate with the KV cache, and pipeline("text-generation") built on the loaded model or on
+    the directory itself, give the same tokens as the load_into model (greedy)."""
     from transformers import pipeline
     path = _te_dir(tmp_path / "ck", "llama", "fp8_block", True)
     got = AutoModelForCausalLM.from_pretrained(path)
@@ -621,6 +621,34 @@ def test_pipeline_and_generate_on_a_loaded_model(tmp_path):
     prompt_ids = torch.tensor([tok(prompt)["input_ids"]])
     expect = want.generate(prompt_ids, max_new_tokens=6, do_sample=False)[0, prompt_ids.shape[1]:]
     assert text == tok.decode(expect) and len(expect) == 6
+    tok.save_pretrained(path)  # a directory with its tokenizer: pipeline loads both from it
+    by_dir = pipeline("text-generation", model=str(path))
+    assert isinstance(by_dir.model.model.layers[0].self_attn.q_proj.weight, tsf.QuantizedTensor)
+    assert by_dir(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"] == text
+
+
+def test_model_to_dtype_keeps_the_quantized_bytes_and_changes_the_nominal_dtype(tmp_path):
+    """model.to(torch.float32): quantized weights keep their bytes and take float32 as their nominal
+    (dequantized) dtype, plain ones are cast, as the same cast of the load_into model gives;
+    .float() / .half() are refused by transformers itself for a quantized model."""
+    path = _te_dir(tmp_path / "ck", "llama", "nvfp4", False)
+    got = AutoModelForCausalLM.from_pretrained(path)
+    want = ts.load_into(_meta_model(_config("llama", True)), path)
+    saved = {n: {k: b.clone() for k, b in p.buffers().items()} for n, p in got.named_parameters()
+             if isinstance(p, tsf.QuantizedTensor)}
+    got.to(torch.float32)
+    want.to(torch.float32)
+    assert got.dtype == torch.float32 and got.model.norm.weight.dtype == torch.float32
+    for name, p in got.named_parameters():
+        if name in saved:
+            assert isinstance(p, tsf.QuantizedTensor) and p.dtype == torch.float32, name
+            assert all(torch.equal(b, saved[name][k]) for k, b in p.buffers().items()), name
+    _assert_same_model(got, want)
+    _assert_same_logits(got, want)
+    with pytest.raises(ValueError, match="not supported for quantized model"):
+        got.float()
+    with pytest.raises(ValueError, match="not supported for quantized model"):
+        got.half()
 
 
 @pytest.mark.gpu
