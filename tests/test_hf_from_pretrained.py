@@ -282,6 +282,29 @@ def test_dtype_and_device_maps(tmp_path):
         _assert_same_logits(got, want)
 
 
+def test_missing_and_unexpected_weights_are_reported_as_transformers_reports_them(tmp_path):
+    """A model with fewer layers than the checkpoint: the extra layers' weights are unexpected keys,
+    named as the model's parameters (not as te-serial's buffers); with more layers, the missing
+    ones are missing keys, initialized by transformers in high precision; the rest loads as saved."""
+    path = _te_dir(tmp_path / "ck", "llama", "mxfp8", False)
+    want = ts.load_into(_meta_model(_config("llama", True)), path)
+    fewer, info = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1, output_loading_info=True)
+    assert not info["missing_keys"] and not info["error_msgs"]
+    assert sorted(info["unexpected_keys"]) == sorted(n for n in want.state_dict() if n.startswith("model.layers.1."))
+    more, info = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=3, output_loading_info=True)
+    assert not info["unexpected_keys"]
+    assert sorted(info["missing_keys"]) == sorted(n.replace("layers.1.", "layers.2.") for n in want.state_dict()
+                                                  if n.startswith("model.layers.1."))
+    assert [n for n in _quantized(more) if ".layers.2." in n] == []
+    assert _quantized(more) == _quantized(want) and _quantized(fewer) == [n for n in _quantized(want) if ".layers.0." in n]
+    for name, p in more.state_dict(keep_vars=True).items():
+        if ".layers.2." not in name:
+            x = want.state_dict(keep_vars=True)[name]
+            assert type(p) is type(x) and all(torch.equal(a, b) for a, b in zip(
+                (p.buffers().values() if hasattr(p, "quantizer") else [p]),
+                (x.buffers().values() if hasattr(x, "quantizer") else [x]))), name
+
+
 def test_a_loaded_model_trains_adapters_and_saves_through_save_quantized(tmp_path):
     path = _te_dir(tmp_path / "ck", "llama", "mxfp8", True)
     got = AutoModelForCausalLM.from_pretrained(path)
