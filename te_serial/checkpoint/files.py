@@ -407,6 +407,16 @@ def open_regular(path: Path, *, follow_symlinks: bool = False, links_into: Path 
     return fd, st.st_size
 
 
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-order strides of ``shape`` (a checkpoint holds few distinct shapes: computed once each)."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
 class SafetensorsFile:
     """One safetensors file: its checked header, and its buffers read as mmap views or fresh copies."""
 
@@ -453,7 +463,7 @@ class SafetensorsFile:
         ``own``: a mapping of this buffer's pages alone, unmapped when the last view is freed (a
         streaming reader's memory stays bounded by what it holds); else the whole file's mapping,
         kept while the file is open."""
-        e = self._entry(key)
+        e = self.entries.get(key) or self._entry(key)  # the second names a missing key
         dtype = dtype or e.dtype
         start = self.header.data_start + e.start
         if start % dtype.itemsize or e.nbytes == 0:
@@ -476,12 +486,8 @@ class SafetensorsFile:
                 self._storage = torch.UntypedStorage.from_file(src, shared=False, nbytes=self.header.size)
             except RuntimeError as e:
                 raise CheckpointFileError(f"cannot map the file: {e}", file=str(self.path)) from None
-        strides, step = [], 1
-        for dim in reversed(e.shape):
-            strides.append(step)
-            step *= dim
         return torch.empty(0, dtype=dtype).set_(self._storage, start // dtype.itemsize, e.shape,
-                                                tuple(reversed(strides)))
+                                                _contiguous_strides(e.shape))
 
     def read(self, key: str) -> torch.Tensor:
         """The buffer in fresh (unmapped) memory: the process does not keep the file's pages."""
