@@ -32,7 +32,7 @@ REPO = TOOLS.parent
 def add_parser(sub) -> None:
     p = sub.add_parser("io", help="open / save / load against safetensors, one short run (the regression guard)")
     p.add_argument("--gib", type=float, default=0.5, help="size of the mixed state dict saved and loaded")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--against", default=None, metavar="REV", help="also measure commit REV's sources, in a child")
 
