@@ -580,6 +580,27 @@ def test_a_conversion_of_a_te_serial_directory_drops_its_hf_markers(tmp_path):
     assert config["architectures"] == json.loads((path / "config.json").read_text())["architectures"]
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_a_conversion_to_a_recipe_loads_through_from_pretrained(bf16_dirs, tmp_path, recipe):
+    """te_serial.convert of a BF16 Hugging Face directory to a recipe writes a directory
+    from_pretrained loads (quantization_config, install hint, weight index), holding what quantize on
+    load of the same directory holds, byte for byte."""
+    out = tmp_path / "out"
+    ts.convert(bf16_dirs["llama"], out, recipe=recipe, usages="rowwise")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "te_serial"
+    assert config["transformers_weights"] == tshf.HF_INSTALL_HINT and (out / tshf.HF_INDEX_NAME).is_file()
+    got = AutoModelForCausalLM.from_pretrained(out)
+    want = AutoModelForCausalLM.from_pretrained(bf16_dirs["llama"], quantization_config=TeSerialConfig(
+        recipe=recipe, usages=["rowwise"]))
+    assert _quantized(got) == _quantized(want) and _quantized(got)
+    assert not any(p.requires_grad for n, p in got.named_parameters() if n in _quantized(got))  # as converted
+    for a, b in zip(got.parameters(), want.parameters()):
+        b.requires_grad_(a.requires_grad)
+    _assert_same_model(got, want)
+    _assert_same_logits(got, want)
+
+
 def test_config_values_are_checked(bf16_dirs):
     with pytest.raises(tse.FormatError, match="unknown recipe"):
         TeSerialConfig(recipe="fp9")

@@ -282,10 +282,7 @@ def save_quantized(obj: Any, path: str | os.PathLike, *, max_shard_size: int | s
             if name not in aliases:
                 writer.write(name, t)
     if config is not None and not writer.single:  # after the commit: config.json as HF directories hold it
-        data = json.loads(config)
-        atomic_write(writer.root / "config.json", (json.dumps(data, indent=2) + "\n").encode())
-        if (data.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
-            atomic_write(writer.root / HF_INDEX_NAME, _hf_index(writer.manifest))
+        write_hf_files(writer.root, writer.manifest, json.loads(config))
     return writer.manifest
 
 
@@ -354,11 +351,28 @@ def _hf_config(obj: Any, protos: Mapping[str, TensorProto] | None = None) -> str
         data = json.loads(json.dumps(config.to_dict(), default=str))
     if not data.get("architectures"):
         data["architectures"] = [type(obj).__name__]
-    qc = quantization_config(protos) if protos is not None else None
-    data = without_te_serial_config(data)
+    return json.dumps(hf_config_for(data, protos or {}), sort_keys=True)
+
+
+def hf_config_for(data: Mapping[str, Any], protos: Mapping[str, TensorProto]) -> dict:
+    """A Hugging Face config (a dict) for a te-serial directory holding tensors of these prototypes:
+    any te-serial marks it carried replaced by the ``quantization_config`` (:func:`quantization_config`)
+    and install hint the tensors call for, none where no tensor is quantized."""
+    data = without_te_serial_config(dict(data))
+    qc = quantization_config(protos)
     if qc is not None:
         data.update(quantization_config=qc, transformers_weights=HF_INSTALL_HINT)
-    return json.dumps(data, sort_keys=True)
+    return data
+
+
+def write_hf_files(root: Path, manifest: Manifest, config: Mapping[str, Any]) -> list[str]:
+    """``config.json`` of a te-serial checkpoint directory (committed), and the weight index
+    :data:`HF_INDEX_NAME` where the config names te-serial's method; the names written."""
+    atomic_write(root / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    if (config.get("quantization_config") or {}).get("quant_method") != QUANT_METHOD:
+        return ["config.json"]
+    atomic_write(root / HF_INDEX_NAME, _hf_index(manifest))
+    return ["config.json", HF_INDEX_NAME]
 
 
 def without_te_serial_config(data: dict) -> dict:

@@ -23,7 +23,7 @@ import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
 from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, fsync_path, writing
-from ..checkpoint.writer import CheckpointWriter, parse_size, without_te_serial_config
+from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, without_te_serial_config, write_hf_files
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
 from ..formats.tensors import QuantizedTensorStorage
@@ -414,6 +414,8 @@ class _Output:
         if self.writer is not None:
             manifest = self.writer.close()
             written = [self.dst.name] if self.single else [*manifest.files, MANIFEST_NAME]
+            if config is not None and not self.single:  # a te-serial directory transformers loads
+                config = hf_config_for(config, self.writer.protos)
         else:
             sizes = self.files.finish()
             self.files.commit()
@@ -435,7 +437,9 @@ class _Output:
                 data = doc if isinstance(doc, bytes) else (json.dumps(doc, indent=2) + "\n").encode()
                 atomic_write(self.root / name, data)
                 written.append(name)
-            if config is not None:
+            if config is not None and self.writer is not None:
+                written.extend(write_hf_files(self.root, manifest, config))
+            elif config is not None:
                 atomic_write(self.root / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
                 written.append(CONFIG_NAME)
         fsync_path(self.root, directory=True)
