@@ -572,12 +572,21 @@ def test_without_te_serial_hf_transformers_quotes_the_install_hint(tmp_path, mon
 
 def test_a_conversion_of_a_te_serial_directory_drops_its_hf_markers(tmp_path):
     """A BF16 conversion of a te-serial directory is a plain Hugging Face directory: no te-serial
-    quantization_config and no install hint in its config.json, so transformers loads it by itself."""
+    quantization_config and no install hint in its config.json, so transformers loads it by itself;
+    a conversion that keeps the quantized tensors writes the marks for what the output holds."""
     path = _te_dir(tmp_path / "ck", "llama", "mxfp8", False)
-    ts.convert(path, tmp_path / "bf16")
+    ts.convert(path, tmp_path / "bf16", recipe="bf16")
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "transformers_weights" not in config and "quantization_config" not in config
     assert config["architectures"] == json.loads((path / "config.json").read_text())["architectures"]
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")  # transformers alone reads it
+    assert not _quantized(plain)
+    # a conversion that keeps the quantized tensors keeps the directory's marks, for what it holds
+    ts.convert(path, tmp_path / "same")
+    again = json.loads((tmp_path / "same" / "config.json").read_text())
+    assert again["quantization_config"] == json.loads((path / "config.json").read_text())["quantization_config"]
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "same"),
+                       AutoModelForCausalLM.from_pretrained(path))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])

@@ -92,7 +92,8 @@ def _open_held(path: Path, links_into: Path | None = None) -> tuple[int, int]:
 class Checkpoint:
     """A lazily opened checkpoint (``te_serial.open(path)``): prototypes now, bytes on demand."""
 
-    def __init__(self, path: str | os.PathLike, *, strict: bool = True, links_into: str | os.PathLike | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, strict: bool = True,
+                 links_into: str | os.PathLike | None = None) -> None:
         """``links_into``: a directory checkpoint's files may be symlinks to files directly in that
         folder (a Hugging Face hub cache snapshot, whose files link to its repository's blobs)."""
         self.path = Path(path)
