@@ -414,8 +414,6 @@ class _Output:
         if self.writer is not None:
             manifest = self.writer.close()
             written = [self.dst.name] if self.single else [*manifest.files, MANIFEST_NAME]
-            if config is not None and not self.single:  # a te-serial directory transformers loads
-                config = hf_config_for(config, self.writer.protos)
         else:
             sizes = self.files.finish()
             self.files.commit()
@@ -484,14 +482,16 @@ def _ignored_modules(plans: list[TensorPlan], source: Source) -> list[str]:
     return sorted(set(out), key=out.index)
 
 
-def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[TensorPlan]) -> dict | None:
-    """config.json for the output: the source's, with a quantization_config that matches the weights."""
+def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[TensorPlan],
+            protos: Mapping[str, Any]) -> dict | None:
+    """config.json for the output: the source's, with a quantization_config that matches the weights
+    (``protos``: a te-serial output's prototypes, whose quantized ones make it te-serial's)."""
     base = without_te_serial_config(source.config) if isinstance(source.config, dict) else None
     if family in ("te", "plain"):
         if base is None:
             return None
         base.pop("quantization_config", None)
-        return base
+        return hf_config_for(base, protos) if family == "te" else base
     base = base or {}
     ignored = _ignored_modules(plans, source)
     if spec.mixed:
@@ -713,7 +713,8 @@ def _commit(out: "_Output", source: Source, spec: ExportSpec | None, family: str
             single: bool) -> list[str]:
     """Commit the written tensors with config.json, a layout's own files and the export sidecar
     (a single file carries none of them); the files written."""
-    config = None if single else _config(spec, family, source, plans)
+    config = None if single else _config(spec, family, source, plans,
+                                         out.writer.protos if out.writer is not None else {})
     aux = source.aux_files if source.path.is_dir() and not single else []
     extra = {}
     if spec is not None:
