@@ -34,12 +34,13 @@ import torch
 from torch import nn
 
 from .checkpoint.writer import save_quantized
-from .errors import CheckpointError, ConversionError, ShapeError, TeSerialError, UnsupportedOperationError
+from .errors import (CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError,
+                     UnsupportedOperationError)
 from . import fusion
 from . import numerics as nx
 from .formats.tensors import NOMINAL_DTYPES, QuantizedTensorStorage
 from .formats.base import Quantizer
-from .precision import stays_high_precision
+from .precision import is_expert_weight, stays_high_precision
 from .proto import TensorProto, to_tensor_proto
 from .recipes import recipe_quantizer
 
@@ -354,7 +355,7 @@ def _choose(st, old: Any, derive_usages: bool) -> tuple[Any, str | None]:
     if p is None:
         return plan_te(None, slot_q, dtype, st.dtype), None  # quantize on load
     if p.same_layout(slot_q):
-        have, want = set(p.usages_on()), set(slot_q.usages_on())
+        have, want = set(p.conversion_usages()), set(slot_q.conversion_usages())
         if have == want:
             return None, None
         lacking = sorted(want - have)
@@ -452,7 +453,8 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
     device = torch.device(device)
     _tie_hf(model)
     slots = _slots(model)
-    with open_source(path, verify=verify) as source:
+    with open_source(path, verify=verify) as opened:
+        source = _as_model_names(opened, slots)
         missing, unexpected, sliced = _match(model, slots, source.tensors, path, shard_fn, strict)
         steps, first = _choose_steps(slots, source.tensors, derive_usages, strict, path)
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
@@ -502,6 +504,16 @@ def _match(model: nn.Module, slots: dict, found: dict, path, shard_fn, strict: b
         raise CheckpointError(f"missing keys {missing[:20]}, unexpected keys {unexpected[:20]} "
                               "(strict=False to load what matches)", file=str(path))
     return missing, unexpected, sliced
+
+
+def _as_model_names(source, slots: dict):
+    """``source`` as the model names its tensors: a MoE checkpoint's per-expert tensors as the
+    model's 3-D expert parameters where the model has those and the checkpoint does not
+    (:class:`~te_serial.conversion.sources.FusedExpertsView`), else ``source`` itself."""
+    from .conversion.sources import FusedExpertsView
+    from .moe import plan_fused
+    fused, renamed = plan_fused(source.tensors, slots)
+    return FusedExpertsView(source, slots) if fused or renamed else source
 
 
 def _choose_steps(slots: dict, found: dict, derive_usages: bool, strict: bool, path) -> tuple[dict, dict[int, str]]:
@@ -562,7 +574,7 @@ def _read_steps(source, slots: dict, steps: dict, sliced: dict, device: torch.de
         return loaded, reports
     got = {}
     if ckpt is not None and direct:
-        got = ckpt.load_tensors([n for n in direct if n not in sliced], device=device, verify=verify)
+        got = ckpt.load_tensors([n for n in direct if n not in sliced and n in ckpt], device=device, verify=verify)
         for n in direct:
             if n in sliced:  # this rank's range only: just its bytes
                 got[n] = ckpt.get(n, device=device, verify=verify, rows=sliced[n][0], cols=sliced[n][1])
@@ -624,60 +636,99 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+class Chosen(NamedTuple):
+    """A weight the default rule quantizes: where it sits and the quantizer it gets."""
+
+    module_name: str
+    module: nn.Module
+    attr: str
+    weight: torch.Tensor
+    quantizer: Quantizer
+
+
+def choose_weights(model: nn.Module, q: Quantizer, *, include: Sequence[str] = ("*",),
+                   exclude: Sequence[str] | None = None, module_types: tuple[type, ...] = (nn.Linear,),
+                   warn: bool = True) -> dict[str, Chosen]:
+    """Parameter name → :class:`Chosen`: the weights :func:`quantize_model` quantizes with recipe
+    quantizer ``q`` (quantize on load shares the choice): ``module_types``' ``weight`` and every
+    module's 3-D expert stacks, on modules matching ``include`` and, by default, outside
+    :func:`~te_serial.precision.stays_high_precision` (``exclude`` patterns on module names replace
+    that rule). Each gets ``q``, an expert stack a grouped quantizer of per-expert members
+    (:func:`~te_serial.formats.grouped.per_expert`). Weights the recipe cannot hold are left out,
+    with a warning naming why."""
+    from .formats.grouped import per_expert
+    out: dict[str, Chosen] = {}
+    for mname, module in model.named_modules():
+        if not _matches(mname, include) or (exclude is not None and _matches(mname, exclude)):
+            continue
+        prefix = f"{mname}." if mname else ""
+        for attr, w in module._parameters.items():
+            if w is None or isinstance(w, QuantizedTensorStorage):
+                continue
+            name = prefix + attr
+            shape = tuple(w.shape)
+            if not ((attr == "weight" and isinstance(module, module_types)) or is_expert_weight(name, shape)):
+                continue
+            if exclude is None and stays_high_precision(name, shape):
+                continue
+            try:
+                if len(shape) == 3 and getattr(module, "is_transposed", False):
+                    raise ShapeError("its experts are stored (in, out) (gpt-oss): a per-expert layout "
+                                     "transposed to TE's (out, in) is not built yet")
+                wq = per_expert(q, shape)
+                wq.check_shape(shape)
+            except (ShapeError, FormatError) as e:
+                if warn:
+                    warnings.warn(f"te-serial: {name} left unquantized: {e}", stacklevel=3)
+                continue
+            out[name] = Chosen(mname, module, attr, w, wq)
+    return out
+
+
 def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequence[str] = ("*",),
                    exclude: Sequence[str] | None = None, module_types: tuple[type, ...] = (nn.Linear,),
                    columnwise: bool | None = None, fused: str | Sequence[Sequence[str]] | None = "auto") -> nn.Module:
     """Replace the weights of matching modules by quantized parameters, in place; returns the model.
 
     Modules are chosen by type (``nn.Linear`` by default) and by glob patterns on their qualified
-    names. By default (``exclude=None``) the weights :func:`te_serial.precision.stays_high_precision`
-    keeps — embeddings, output heads, norms, MoE routers; the rule ``convert`` uses — stay as they
-    are; ``exclude`` patterns (on module names) replace that rule. ``recipe`` is a name from
-    :data:`te_serial.recipes.RECIPES` or a quantizer; ``columnwise`` (default:
-    ``torch.is_grad_enabled()``, as TE does) adds the transposed usage needed for training. On a
-    meta model the parameters become meta quantized tensors: prototypes only, for :func:`plan`.
-    Weights whose shape the recipe cannot hold are left alone with a warning. A Hugging Face model
-    is tied first (``tie_weights()``, which accelerate's ``init_empty_weights`` leaves undone), and
-    its ``save_pretrained`` then points to ``te_serial.save_quantized``.
+    names; a MoE layer's experts held as 3-D parameters (transformers 5's ``experts.gate_up_proj``,
+    ``experts.down_proj``) are quantized too, each expert on its own with its own scales, into one
+    grouped tensor (TE's ``GroupedLinear`` layout) that transformers' expert implementations use as
+    they use the 3-D parameter. By default (``exclude=None``) the weights
+    :func:`te_serial.precision.stays_high_precision` keeps — embeddings, output heads, norms, MoE
+    routers; the rule ``convert`` uses — stay as they are; ``exclude`` patterns (on module names)
+    replace that rule. ``recipe`` is a name from :data:`te_serial.recipes.RECIPES` or a quantizer;
+    ``columnwise`` (default: ``torch.is_grad_enabled()``, as TE does) adds the transposed usage
+    needed for training. On a meta model the parameters become meta quantized tensors: prototypes
+    only, for :func:`plan`. Weights whose shape the recipe cannot hold are left alone with a
+    warning. A Hugging Face model is tied first (``tie_weights()``, which accelerate's
+    ``init_empty_weights`` leaves undone), and its ``save_pretrained`` then points to
+    ``te_serial.save_quantized``.
 
     ``fused``: with a recipe whose scale is tensor-wide (per-tensor FP8 current scaling, NVFP4's
     global scale), the modules a serving engine fuses into one GEMM (q/k/v, gate/up, …:
     :mod:`te_serial.fusion`, by the model's ``config.architectures``) are quantized with one shared
     amax, so the engine's one scale is every member's; ``"off"`` quantizes each on its own, or give
-    your own groups of module names.
+    your own groups of module names. An expert stack's fused gate/up rows are one member each,
+    with one scale.
     """
     col = torch.is_grad_enabled() if columnwise is None else columnwise
     q = recipe if isinstance(recipe, Quantizer) else recipe_quantizer(recipe, rowwise=True, columnwise=col)
     _tie_hf(model)
-    chosen: dict[str, tuple[nn.Module, nn.Parameter]] = {}
-    for mname, module in model.named_modules():
-        if not isinstance(module, module_types) or not _matches(mname, include):
-            continue
-        w = module._parameters.get("weight")
-        if w is None or isinstance(w, QuantizedTensorStorage):
-            continue
-        if exclude is None:
-            if stays_high_precision(f"{mname}.weight" if mname else "weight", tuple(w.shape)):
-                continue
-        elif _matches(mname, exclude):
-            continue
-        chosen[mname] = (module, w)
-    shared = _shared_amax(model, q, {m: w for m, (_, w) in chosen.items()}, fused)
+    chosen = choose_weights(model, q, include=include, exclude=exclude, module_types=module_types)
+    linears = {c.module_name: c.weight for c in chosen.values() if c.attr == "weight" and c.weight.dim() == 2}
+    shared = _shared_amax(model, q, linears, fused)
     done: dict[int, nn.Parameter] = {}
-    for mname, (module, w) in chosen.items():
+    for name, c in chosen.items():
+        w = c.weight
         if id(w) in done:  # tied with a weight already quantized
-            module._parameters["weight"] = done[id(w)]
-            continue
-        try:
-            q.check_shape(tuple(w.shape))
-        except ShapeError as e:
-            warnings.warn(f"te-serial: {mname}.weight left unquantized: {e}", stacklevel=2)
+            c.module._parameters[c.attr] = done[id(w)]
             continue
         if w.device.type == "meta":
-            qt = TensorProto(tuple(w.shape), w.dtype, q, w.requires_grad, w.device).create_tensor()
+            qt = TensorProto(tuple(w.shape), w.dtype, c.quantizer, w.requires_grad, w.device).create_tensor()
         else:
-            qt = q.quantize(w.detach(), tensor_amax=shared.get(mname))
-        done[id(w)] = module._parameters["weight"] = nn.Parameter(qt, requires_grad=w.requires_grad)
+            qt = c.quantizer.quantize(w.detach(), tensor_amax=shared.get(c.module_name) if c.attr == "weight" else None)
+        done[id(w)] = c.module._parameters[c.attr] = nn.Parameter(qt, requires_grad=w.requires_grad)
     if done:
         _guard_save_pretrained(model)
     return model

@@ -688,3 +688,99 @@ class GroupedView(Source):
 
     def close(self) -> None:
         self.inner.close()
+
+
+# --- per-expert checkpoint tensors as transformers 5's 3-D expert parameters ------------------------
+
+class FusedExpertsView(Source):
+    """``source`` with the per-expert tensors of a MoE checkpoint (``experts.<i>.gate_proj.weight``…,
+    Mixtral's ``w1``/``w3``/``w2``) seen as the 3-D expert parameters a transformers 5 model holds
+    (``experts.gate_up_proj``, ``experts.down_proj``): plain experts stacked, quantized ones packed
+    exactly into a grouped tensor whose members are each expert's gate rows then up rows (the
+    format's ``join_rows``: refused, naming the block rule, where it is not exact). ``wanted``: the
+    model's names; what :func:`te_serial.moe.plan_fused` maps is replaced, the rest passes through."""
+
+    def __init__(self, inner: Source, wanted) -> None:
+        from ..moe import plan_fused
+        self.__dict__.update(inner.__dict__)  # config, files, notes, activation amax… are the source's
+        self.inner, self.layout = inner, inner.layout
+        fused, renamed = plan_fused(inner.tensors, wanted)
+        consumed = {n for f in fused for parts in f.parts for n in parts} | set(renamed.values())
+        self.tensors = {n: st for n, st in inner.tensors.items() if n not in consumed}
+        self._renamed = renamed
+        for new, old in renamed.items():
+            self.tensors[new] = dataclasses.replace(inner.tensors[old], name=new)
+        for f in fused:
+            proto = self._fused_proto(f)
+            q = proto.quantizer
+            fmt = describe_quantizer(q.member) if q is not None else describe_dtype(proto.dtype)
+            self.tensors[f.name] = SourceTensor(f.name, proto, fmt, usage_label(q), proto.nbytes,
+                                                {"experts": f.parts})
+
+    def __getattr__(self, name: str) -> Any:  # the inner source's own protocol (info, file_of, read…)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _fused_proto(self, f) -> TensorProto:
+        from ..formats.grouped import GroupedQuantizer
+        first = self.inner.tensors[f.parts[0][0]].proto
+        protos = [[self.inner.tensors[n].proto for n in parts] for parts in f.parts]
+        where = f"{f.parts[0][0]} … {f.parts[-1][-1]}"
+        if any(p.quantizer != first.quantizer or p.dtype != first.dtype or len(p.shape) != 2
+               for ps in protos for p in ps):
+            raise ConversionError(f"cannot stack {where} into {f.name}: the experts differ in format, dtype or "
+                                  "rank", tensor=f.name)
+        shapes = {(sum(p.shape[0] for p in ps), ps[0].shape[1]) for ps in protos}
+        if len(shapes) != 1 or any(p.shape[1] != ps[0].shape[1] for ps in protos for p in ps):
+            raise ConversionError(f"cannot stack {where} into {f.name}: the experts' shapes differ", tensor=f.name)
+        (shape,) = shapes
+        q = first.quantizer
+        if q is None:
+            return TensorProto((len(protos), *shape), first.dtype)
+        align = q.slice_alignment()[0]
+        for p in protos[0][:-1]:
+            if p.shape[0] % align:
+                raise ConversionError(f"cannot stack {where} into {f.name} exactly: {p.shape[0]} rows are not a "
+                                      f"multiple of {q.layout_name()}'s row blocks of {align} (stacked, a block would "
+                                      "mix gate and up rows); load the checkpoint into a model that keeps them apart, "
+                                      "or convert it from high precision", tensor=f.name)
+        try:
+            g = GroupedQuantizer(member=q, member_shapes=[shape] * len(protos))
+        except (FormatError, ShapeError) as e:
+            raise ConversionError(f"cannot stack {where} into {f.name}: {e}", tensor=f.name) from None
+        return TensorProto(g.group_shape, first.dtype, g)
+
+    def load(self, name: str) -> torch.Tensor:
+        from ..formats.grouped import GroupedTensor
+        from ..formats.slicing import join_rows
+        st = self.tensors[name]
+        if name in self._renamed:
+            return self.inner.load(self._renamed[name])
+        if "experts" not in st.keys:
+            return self.inner.load(name)
+        g = st.quantizer
+        members = []
+        for parts in st.keys["experts"]:
+            loaded = [self.inner.load(n) for n in parts]
+            if g is None:
+                members.append(torch.cat(loaded) if len(loaded) > 1 else loaded[0])
+                continue
+            try:
+                _, bufs = join_rows(g.member, [(t.logical_shape, t.buffers()) for t in loaded])
+            except (FormatError, ShapeError) as e:
+                raise ConversionError(f"cannot stack {' and '.join(parts)} into {name} exactly: {e}",
+                                      tensor=name) from None
+            members.append(bufs)
+        if g is None:
+            return torch.stack(members)
+        return GroupedTensor(g.group_shape, st.dtype, g, **g.merge_buffers(members))
+
+    def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        st = self.tensors[name]
+        if name in self._renamed or "experts" in st.keys:
+            return self.load(name), None
+        return self.inner.stream(name)
+
+    def close(self) -> None:
+        self.inner.close()

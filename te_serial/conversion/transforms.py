@@ -297,7 +297,7 @@ class Step:
 
 
 def _copy_only(p: Quantizer, out: Quantizer) -> bool:
-    return p.same_layout(out) and all(p.has_usage(u) for u in out.usages_on())
+    return p.same_layout(out) and all(p.has_usage(u) for u in out.conversion_usages())
 
 
 def plan_te(p: Quantizer | None, q: Quantizer, dtype: torch.dtype, src_dtype: torch.dtype) -> Step:
@@ -307,7 +307,7 @@ def plan_te(p: Quantizer | None, q: Quantizer, dtype: torch.dtype, src_dtype: to
         dd = q.data_dependent
         return Step("quantize" if p is None else "requantize", q, dtype, builder="quantize",
                     data_dependent=dd, note=_SETTLED if dd else "")
-    requant = frozenset(u for u in out.usages_on() if not p.derivable(out, u))
+    requant = frozenset(u for u in out.conversion_usages() if not p.derivable(out, u))
     data_dep = out.data_dependent and not p.data_dependent
     if requant:
         what = " and ".join(sorted(requant))
@@ -455,7 +455,7 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
     # exact (possibly with some usages requantized)
     p, bufs = src.quantizer, src.buffers()
     out: dict[str, torch.Tensor] = {}
-    for usage in q.usages_on():
+    for usage in q.conversion_usages():
         if usage not in step.requant:
             out.update(p.derive(bufs, shape, q, usage))
     if step.data_dependent:

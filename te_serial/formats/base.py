@@ -185,6 +185,11 @@ class Quantizer(LayoutRules, QuantizeEngine):
             return dataclasses.replace(self, rowwise=target.rowwise, columnwise=target.columnwise)
         return None
 
+    def conversion_usages(self) -> tuple[str, ...]:
+        """The usages a conversion builds one by one (:meth:`derive`): the enabled ones; a container's
+        are its members'."""
+        return self.usages_on()
+
     def derivable(self, out: "Quantizer", usage: str) -> bool:
         """Can ``usage`` of ``out`` (from :meth:`exact_output`) be built from this tensor's bytes?"""
         return self.has_usage(usage)

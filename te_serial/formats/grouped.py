@@ -252,8 +252,28 @@ class GroupedQuantizer(Quantizer):
         inner = self.member.layout_name() if self.member is not None else dtype_name(self.dtype)
         return f"grouped{self.num_tensors}_{inner}"
 
+    def conversion_usages(self) -> tuple[str, ...]:
+        return self.member.usages_on() if self.member is not None else ()
+
     def exact_output(self, target):
-        return self if target == self else None
+        """The same members in ``target``'s member format where the member format has an exact path."""
+        if target == self:
+            return self
+        if (not isinstance(target, GroupedQuantizer) or target.member_shapes != self.member_shapes
+                or self.member is None or target.member is None):
+            return None
+        out = self.member.exact_output(target.member)
+        return None if out is None else GroupedQuantizer(member=out, member_shapes=self.member_shapes)
+
+    def derivable(self, out, usage):
+        return self.member is not None and self.member.derivable(out.member, usage)
+
+    def derive(self, buffers, shape, out, usage):
+        """``usage``'s grouped buffers of ``out``, each member's derived by the member format."""
+        members = self.split_buffers(buffers, internal=True)
+        parts = [self.member.derive(m.buffers(), s, out.member, usage) for m, s in zip(members, self.member_shapes)]
+        return {g: torch.cat([p[m].reshape(-1) for p in parts])
+                for g, m in out._lay().member_name.items() if m in parts[0]}
 
     def default_usages(self):
         return (True, True) if self.member is None else (self.rowwise, self.columnwise)  # plain members: as plain
@@ -345,6 +365,16 @@ class GroupedQuantizer(Quantizer):
         return out
 
 
+def per_expert(q: Quantizer, shape: Sequence[int]) -> Quantizer:
+    """The quantizer a weight of ``shape`` gets from recipe quantizer ``q``: ``q`` for a 2-D weight;
+    for a 3-D expert stack ``[experts, out, in]``, a grouped quantizer of ``experts`` members of
+    ``[out, in]``, each quantized on its own (per-expert scales, as TE's ``GroupedLinear``)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3 or isinstance(q, GroupedQuantizer):
+        return q
+    return GroupedQuantizer(member=q, member_shapes=[shape[1:]] * shape[0])
+
+
 class GroupedTensorStorage(QuantizedTensorStorage):
     """TE's ``GroupedTensorStorage``: the members' buffers packed flat, by TE's attribute names."""
 
@@ -392,7 +422,59 @@ class GroupedTensorStorage(QuantizedTensorStorage):
 
 
 class GroupedTensor(GroupedTensorStorage, QuantizedTensor):
-    """TE's ``GroupedTensor``: a wrapper tensor of the group's shape over the packed buffers."""
+    """TE's ``GroupedTensor``: a wrapper tensor of the group's shape over the packed buffers.
+
+    Picking experts out of a stack of equal members (``w[i]``, ``w[expert_ids]``: how
+    transformers' eager and batched expert implementations read a 3-D expert parameter)
+    dequantizes only the members picked; every other op sees the whole stack's values."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PICKS and isinstance(args[0], GroupedTensor):
+            picked = _PICKS[func](*args, **kwargs)
+            if picked is not None:
+                return picked
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _stacked(t: GroupedTensor) -> bool:
+    shapes = t.member_shapes
+    return len(t.shape) == len(shapes[0]) + 1 and all(s == shapes[0] for s in shapes)
+
+
+def _member_values(t: GroupedTensor, i: int) -> torch.Tensor:
+    return t.members()[i].dequantize() if t.quantizer.member is not None else t.members()[i].to(t.dtype)
+
+
+def _select(t: GroupedTensor, dim: int, index: int) -> torch.Tensor | None:
+    """``t[i]``: member ``i``'s values."""
+    if dim not in (0, -t.dim()) or not _stacked(t):
+        return None
+    n = t.num_tensors
+    if not -n <= index < n:
+        return None  # torch's own error, from the fallback
+    return _member_values(t, index % n)
+
+
+def _index(t: GroupedTensor, indices) -> torch.Tensor | None:
+    """``t[ids]`` with one integer index tensor on the expert dim: the picked members' values."""
+    if len(indices) != 1 or indices[0] is None or not _stacked(t):
+        return None
+    ids = indices[0]
+    if ids.dtype not in (torch.int64, torch.int32) or ids.device.type == "meta":
+        return None
+    n = t.num_tensors
+    if ids.numel() and not bool(((ids >= -n) & (ids < n)).all()):
+        return None
+    wanted, inverse = torch.unique(ids.remainder(n), return_inverse=True)
+    values = [_member_values(t, int(i)) for i in wanted.tolist()]
+    if not values:
+        return torch.empty((*ids.shape, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.stack(values)[inverse.to(t.device)]
+
+
+_PICKS = {torch.ops.aten.select.int: _select, torch.ops.aten.index.Tensor: _index}
 
 
 GroupedQuantizer.storage_class = GroupedTensorStorage

@@ -214,3 +214,58 @@ def slice_quantized(t: QuantizedTensorStorage, *, rows: Range = None, cols: Rang
     q = t.quantizer
     shape, bufs = slice_buffers(q, t.buffers(), tuple(t.logical_shape), rows, cols)
     return type(t)(shape, t.fake_dtype, q, **bufs)
+
+
+def _row_dim(q: Quantizer) -> dict[str, int | None]:
+    """Buffer → the dim of its region view along which the tensor's rows run (None: the buffer
+    holds the whole tensor: a per-tensor scale, a tensor amax)."""
+    out: dict[str, int | None] = {}
+    for usage in q.usages_on():
+        lay = q.usage_layout(usage)
+        out[lay.data] = 1 if lay.transposed else 0
+        out.setdefault(lay.scale, None if lay.grid is None else (1 if lay.scale_transposed else 0))
+        if lay.amax is not None:
+            out.setdefault(lay.amax, 0 if lay.amax_rows else None)
+    return out
+
+
+def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+    """(shape, buffers) of the tensors ``parts`` (``(shape, buffers)`` pairs of one quantizer, equal
+    column counts) stacked along rows, exactly: the inverse of slicing by rows (a fused gate/up
+    weight from its gate and up). Every part but the last must end on the format's row blocks
+    (``slice_alignment``), and what holds the whole tensor (a per-tensor scale, a tensor amax) must
+    be equal in every part; else :class:`~te_serial.FormatError` names the rule (stacking would
+    requantize)."""
+    parts = [(tuple(int(d) for d in s), b) for s, b in parts]
+    if not parts:
+        raise FormatError("join_rows needs at least one part")
+    dims = [flatten_2d(s) for s, _ in parts]
+    k = dims[0][1]
+    if any(kk != k for _, kk in dims):
+        raise ShapeError(f"parts to stack by rows have different column counts {[kk for _, kk in dims]}")
+    align = q.slice_alignment()[0]
+    for i, (m, _) in enumerate(dims[:-1]):
+        if m % align:
+            raise FormatError(f"part {i} has {m} rows, not a multiple of {q.layout_name()}'s row blocks of {align}: "
+                              "stacked, its last block would mix rows of two parts (requantizing)")
+    shape = (sum(m for m, _ in dims), k)
+    specs = q.describe_buffers(shape)
+    along = _row_dim(q)
+    pieces = {}
+    for name, spec in specs.items():
+        regions = []
+        for s, bufs in parts:
+            view = region_views(q, s)[name]
+            full = storage_view(q.describe_buffers(s)[name].shape, view)
+            regions.append(_narrow(bufs[name].reshape(full), ((0,) * len(view), view)))
+        dim = along.get(name)
+        if dim is None:
+            first = regions[0].contiguous().view(torch.uint8)
+            for i, r in enumerate(regions[1:], 1):
+                if not torch.equal(r.contiguous().view(torch.uint8), first):
+                    raise FormatError(f"buffer {name} holds the whole tensor and differs between part 0 and part {i} "
+                                      f"(a tensor-wide scale or amax): stacking them would requantize")
+            pieces[name] = regions[0]
+        else:
+            pieces[name] = torch.cat(regions, dim=dim)
+    return shape, slice_from_regions(q, shape, pieces)

@@ -1,0 +1,79 @@
+"""The one table of how MoE checkpoints name a layer's experts, and how they map onto transformers 5's
+3-D expert parameters.
+
+Checkpoints (what ``save_pretrained`` writes, what vLLM's and SGLang's loaders read) keep one key
+per expert and projection:
+
+* Qwen2/Qwen3-MoE, DeepSeek-V2/V3, OLMoE and their kin: ``<p>.experts.<i>.gate_proj.weight``,
+  ``up_proj``, ``down_proj``;
+* Mixtral: ``<q>.block_sparse_moe.experts.<i>.w1.weight`` (gate), ``w3`` (up), ``w2`` (down);
+  transformers 5 names the module ``mlp`` (its router too: ``block_sparse_moe.gate`` →
+  ``mlp.gate``).
+
+transformers 5 holds them as ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows,
+then its up rows) and ``<p>.experts.down_proj`` ``[E, H, I]`` (its conversion mapping's
+``MergeModulelist`` + ``Concatenate``). Which bytes that takes for a quantized expert is the
+format's rule (``formats.slicing.join_rows``); this module only names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple
+
+#: per-expert projection names: (gate, up, down), as each family writes them
+PROJECTION_STYLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+#: module names a checkpoint uses → transformers 5's (Mixtral's ``block_sparse_moe`` is ``mlp``)
+MODULE_RENAMES = ((".block_sparse_moe.", ".mlp."),)
+#: transformers 5's 3-D parameter names under ``<p>.experts``
+FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
+
+_PROJ = "|".join(sorted({p for style in PROJECTION_STYLES for p in style}))
+_PER_EXPERT = re.compile(rf"(.+)\.experts\.(0|[1-9][0-9]*)\.({_PROJ})\.weight", re.DOTALL)
+
+
+class FusedExperts(NamedTuple):
+    """A transformers 5 expert parameter and, per expert, the checkpoint tensors whose rows it stacks."""
+
+    name: str
+    parts: tuple[tuple[str, ...], ...]   # per expert: (gate, up) or (down,)
+
+
+def in_memory_name(name: str) -> str:
+    """A checkpoint's module path as transformers 5 names it (:data:`MODULE_RENAMES`)."""
+    for old, new in MODULE_RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def plan_fused(checkpoint_names: Iterable[str], wanted: Iterable[str]) -> tuple[list[FusedExperts], dict[str, str]]:
+    """(the ``wanted`` expert parameters that a checkpoint's per-expert tensors make, the ``wanted``
+    names a checkpoint holds under another module name → that name), for names ``wanted`` (a model's)
+    that ``checkpoint_names`` lacks. An expert layer is planned when every expert 0..E-1 has all
+    three projections of one style."""
+    names = list(checkpoint_names)
+    have, wanted = set(names), set(wanted)
+    layers: dict[tuple[str, tuple[str, ...]], dict[int, dict[str, str]]] = {}
+    for n in names:
+        m = _PER_EXPERT.fullmatch(n)
+        if m is None:
+            continue
+        prefix, i, proj = m.group(1), int(m.group(2)), m.group(3)
+        style = next(s for s in PROJECTION_STYLES if proj in s)
+        layers.setdefault((prefix, style), {}).setdefault(i, {})[proj] = n
+    fused: list[FusedExperts] = []
+    for (prefix, (gate, up, down)), experts in layers.items():
+        if set(experts) != set(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
+            continue
+        base = in_memory_name(f"{prefix}.experts")
+        order = [experts[i] for i in range(len(experts))]
+        for leaf, projs in ((FUSED_GATE_UP, (gate, up)), (FUSED_DOWN, (down,))):
+            target = f"{base}.{leaf}"
+            if target in wanted and target not in have:
+                fused.append(FusedExperts(target, tuple(tuple(e[p] for p in projs) for e in order)))
+    renamed = {}
+    for n in names:
+        new = in_memory_name(n)
+        if new != n and new in wanted and new not in have and _PER_EXPERT.fullmatch(n) is None:
+            renamed[new] = n
+    return fused, renamed
