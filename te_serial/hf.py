@@ -53,7 +53,8 @@ and not through te-serial's reader; this way the data is read once, by te-serial
 
 Quantize on load (``from_pretrained(bf16_dir, quantization_config=TeSerialConfig(recipe=...))``):
 ``param_needs_quantization`` holds exactly the weights :func:`te_serial.quantize_model` quantizes —
-``nn.Linear`` weights outside :func:`te_serial.precision.stays_high_precision` — less the modules the
+``nn.Linear`` weights and 3-D expert stacks outside :func:`te_serial.precision.stays_high_precision`
+(``te_serial.model.choose_weights``, the one choice) — less the modules the
 config's ``exclude`` globs name; a weight the recipe's shape rule refuses stays in high precision with
 quantize_model's warning naming it. ``TeSerialQuantize`` quantizes each weight as transformers hands
 it over (one tensor at a time). For a recipe whose scale is tensor-wide (per-tensor FP8 current
@@ -106,8 +107,7 @@ from .checkpoint.reader import Checkpoint
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
 from .errors import CheckpointError, ConversionError, FormatError, ShapeError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
-from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal
-from .precision import stays_high_precision
+from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, choose_weights
 from .proto import to_tensor_proto
 from .recipes import RECIPES, recipe_quantizer
 
@@ -239,7 +239,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self._ckpt: Checkpoint | None = None
         self._serialized: dict[str, list[str]] = {}
-        self._to_quantize: dict[str, str] = {}        # weight name → module name (quantize on load)
+        self._to_quantize: dict[str, tuple] = {}      # weight name → (module name, its quantizer): quantize on load
         self._group_of: dict[str, tuple[str, ...]] = {}  # module → its fused group (tensor-wide scales)
         self._amax: dict[str, Any] = {}                # module → its group's shared amax, once computed
         self._files: list[str] = []
@@ -321,11 +321,8 @@ class TeSerialHfQuantizer(HfQuantizer):
         data: set[str] = set()
         for name, proto in quantized.items():
             q = proto.quantizer
-            if getattr(q, "is_container", False):
-                raise UnsupportedOperationError(f"{name}: grouped (MoE) te-serial tensors do not load through "
-                                                "from_pretrained yet; use te_serial.load_into")
             leaf = name.rpartition(".")[2]
-            data_buffers = {q.usage_layout(u).data for u in q.usages_on()}
+            data_buffers = q.data_buffers()
             buffers = list(expected_buffers(proto))
             small = [b for b in buffers if b not in data_buffers]
             if not small:
@@ -351,30 +348,18 @@ class TeSerialHfQuantizer(HfQuantizer):
                                   field="quantization_config.modules")
 
     def _plan(self, model: nn.Module, checkpoint_files: list[str] | None) -> None:
-        """The weights to quantize on load: quantize_model's choice, less ``exclude``."""
+        """The weights to quantize on load: quantize_model's choice (``choose_weights``: linears and
+        3-D expert stacks), less ``exclude``."""
         cfg = self.quantization_config
         col = "columnwise" in cfg.usages if cfg.usages is not None else torch.is_grad_enabled()
         row = "rowwise" in cfg.usages if cfg.usages is not None else True
         self._q = q = recipe_quantizer(cfg.recipe, rowwise=row, columnwise=col)
-        chosen: dict[str, nn.Parameter] = {}
-        for mname, module in model.named_modules():
-            w = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
-            if w is None or isinstance(w, QuantizedTensorStorage):
-                continue
-            if stays_high_precision(f"{mname}.weight" if mname else "weight", tuple(w.shape)) \
-                    or _matches(mname, cfg.exclude):
-                continue
-            chosen[mname] = w
-        for mname, w in chosen.items():
-            try:
-                q.check_shape(tuple(w.shape))
-            except ShapeError as e:
-                warnings.warn(f"te-serial: {mname}.weight left unquantized: {e}", stacklevel=2)
-                continue
-            self._to_quantize[f"{mname}.weight" if mname else "weight"] = mname
+        chosen = {n: c for n, c in choose_weights(model, q).items() if not _matches(c.module_name, cfg.exclude)}
+        self._to_quantize = {n: (c.module_name, c.quantizer) for n, c in chosen.items()}
         if q.takes_tensor_amax():
+            linears = {c.module_name: c.weight for c in chosen.values() if c.attr == "weight" and c.weight.dim() == 2}
             groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), cfg.fused)
-            for members in fusion.fused_groups(chosen, groups, suffix=""):
+            for members in fusion.fused_groups(linears, groups, suffix=""):
                 self._group_of.update({m: members for m in members})
         self._files = [str(f) for f in checkpoint_files or []]
 
@@ -426,9 +411,9 @@ class TeSerialHfQuantizer(HfQuantizer):
         return nn.Parameter(t.detach(), requires_grad=self._ckpt.protos[src].requires_grad)
 
     def _quantize(self, name: str, value: torch.Tensor, model: nn.Module) -> nn.Parameter:
-        mname = self._to_quantize[name]
+        mname, q = self._to_quantize[name]
         amax = self._group_amax(mname, value, model)
-        qt = self._q.quantize(value.detach(), tensor_amax=amax)
+        qt = q.quantize(value.detach(), tensor_amax=amax)
         return nn.Parameter(qt, requires_grad=model.get_parameter(name).requires_grad)
 
     def _group_amax(self, mname: str, value: torch.Tensor, model: nn.Module) -> Any:

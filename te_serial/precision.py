@@ -24,7 +24,8 @@ HIGH_PRECISION_RULES = (
     (("*embed*", "*wte.*", "*wpe.*"), "an embedding"),
     (("*lm_head*", "head.weight", "*.head.weight", "output.weight", "*.output.weight"), "an output head"),
     (("*norm*",), "a norm"),
-    (("gate.weight", "*.gate.weight", "*router*"), "a MoE router"),
+    (("gate.weight", "*.gate.weight", "*router*", "*shared_expert_gate*"),
+     "a MoE router or shared-expert gate (engines keep them unquantized)"),
 )
 #: every pattern of :data:`HIGH_PRECISION_RULES`
 HIGH_PRECISION_PATTERNS = tuple(p for patterns, _ in HIGH_PRECISION_RULES for p in patterns)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial.formats.grouped import GroupedQuantizer
 from helpers import seeded_hf_model
 from te_serial import errors as tse
 from te_serial import formats as tsf
@@ -92,15 +93,25 @@ def _left_unquantized(caught):
     return sorted(str(w.message).split()[1] for w in caught if "left unquantized" in str(w.message))
 
 
+def _experts_refused(recipe, columnwise=False):
+    """Whether the recipe cannot quantize the experts one by one (delayed scaling: TE does not group it)."""
+    try:
+        GroupedQuantizer(member=recipe_quantizer(recipe, rowwise=True, columnwise=columnwise),
+                         member_shapes=[(2 * MOE["moe_intermediate_size"], MOE["hidden_size"])])
+    except (tse.FormatError, tse.ShapeError):
+        return True
+    return False
+
+
 def _moe_quantized(recipe, columnwise=False):
-    """The Qwen2-MoE weights te-serial quantizes: attention and shared-expert linears, and the
-    shared-expert gate where the recipe holds its [1, hidden] shape; never the router (mlp.gate),
-    nor the experts' 3-D parameters (not nn.Linear weights)."""
-    mods = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    mods += [f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-    if not _refuses(recipe, (1, MOE["hidden_size"]), columnwise):
-        mods.append("mlp.shared_expert_gate")
-    return sorted(f"model.layers.{i}.{m}.weight" for i in range(MOE["num_hidden_layers"]) for m in mods)
+    """The Qwen2-MoE weights te-serial quantizes: attention and shared-expert linears and the experts'
+    3-D parameters (each expert on its own), where the recipe groups; never the router (mlp.gate)
+    nor the shared-expert gate (te_serial.precision)."""
+    mods = [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mods += [f"mlp.shared_expert.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    if not _experts_refused(recipe, columnwise):
+        mods += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return sorted(f"model.layers.{i}.{m}" for i in range(MOE["num_hidden_layers"]) for m in mods)
 
 
 def _meta_model(cfg, dtype=torch.bfloat16):
@@ -174,7 +185,7 @@ def _numel_split(path):
                 n = 1
                 for d in shape:
                     n *= d
-                if q is not None and buffer in {q.usage_layout(u).data for u in q.usages_on()}:
+                if q is not None and buffer in q.data_buffers():
                     data += n
                 else:
                     small += n
@@ -215,16 +226,17 @@ def test_from_pretrained_of_a_te_serial_checkpoint_equals_load_into(tmp_path, ma
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_from_pretrained_of_a_te_serial_moe_checkpoint_equals_load_into(tmp_path, materialized, recipe):
-    """Qwen2-MoE: the attention and shared-expert linears quantized, the router and the experts' 3-D
-    parameters in high precision, as quantize_model leaves them. The checkpoint holds the model's own
-    names (3-D ``experts.gate_up_proj``), so transformers' MoE conversion mapping (per-expert keys
-    merged into the 3-D parameters) finds nothing to merge and no quantized tensor to rewrite."""
-    refused = _refuses(recipe, (1, MOE["hidden_size"]), columnwise=True)
+    """Qwen2-MoE: the attention and shared-expert linears and the experts' 3-D parameters quantized
+    (grouped, per-expert scales), the router and shared-expert gate in high precision, as
+    quantize_model leaves them. The checkpoint holds the model's own names (3-D
+    ``experts.gate_up_proj``), so transformers' MoE conversion mapping (per-expert keys merged into
+    the 3-D parameters) finds nothing to merge and no quantized tensor to rewrite."""
+    refused = _experts_refused(recipe, columnwise=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         path = _te_dir(tmp_path / "ck", "qwen2_moe", recipe, True)
-    assert _left_unquantized(caught) == ([f"model.layers.{i}.mlp.shared_expert_gate.weight" for i in (0, 1)]
-                                         if refused else [])
+    assert _left_unquantized(caught) == (sorted(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                                for p in ("down_proj", "gate_up_proj")) if refused else [])
     with ts.open(path) as ck:
         assert len(ck.manifest.files) > 1 and "model.layers.1.mlp.experts.gate_up_proj" in ck
         assert not any(".experts.0." in n for n in ck)
@@ -235,7 +247,8 @@ def test_from_pretrained_of_a_te_serial_moe_checkpoint_equals_load_into(tmp_path
     assert _quantized(got) == _moe_quantized(recipe, columnwise=True)
     experts = got.model.layers[1].mlp.experts
     for p in (experts.gate_up_proj, experts.down_proj):
-        assert type(p) is torch.nn.Parameter and p.dim() == 3 and p.dtype == torch.bfloat16
+        assert p.dim() == 3 and p.dtype == torch.bfloat16
+        assert isinstance(p, tsf.GroupedTensor) is not refused
     assert got.config.quantization_config.recipe == recipe
     small, _ = _numel_split(path)
     assert sum(materialized) == small  # transformers never read a data buffer
@@ -381,16 +394,13 @@ def test_quantize_on_load_of_a_moe_equals_quantize_model(bf16_dirs, tmp_path, re
     with warnings.catch_warnings(record=True) as caught_want:
         warnings.simplefilter("always")
         ts.quantize_model(want, recipe, columnwise=False)
-    assert _left_unquantized(caught) == _left_unquantized(caught_want)
-    assert _refuses(recipe, (1, MOE["hidden_size"])) == bool(_left_unquantized(caught))
-    assert all("shared_expert_gate" in n for n in _left_unquantized(caught))
+    assert _left_unquantized(caught) == _left_unquantized(caught_want) == []
     _assert_same_model(got, want)
     _assert_same_logits(got, want)
     assert _quantized(got) == _moe_quantized(recipe)
-    source = _bf16_model(_config("qwen2_moe", False))  # the merged experts are the source model's
-    for a, b in zip(got.model.layers, source.model.layers):
-        assert torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
-        assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
+    for layer in got.model.layers:  # the merged experts, quantized one expert at a time
+        for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            assert isinstance(p, tsf.GroupedTensor) and p.quantizer.num_tensors == MOE["num_experts"]
     if recipe == "nvfp4":  # one tensor scale for the shared expert's gate/up group
         gate, up = (getattr(got.model.layers[1].mlp.shared_expert, m).weight for m in ("gate_proj", "up_proj"))
         assert torch.equal(gate.buffers()["_amax_rowwise"], up.buffers()["_amax_rowwise"])

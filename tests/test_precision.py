@@ -58,7 +58,8 @@ def test_quantize_model_and_convert_keep_the_same_tensors(recipe, tmp_path):
     ("layers.0.mlp.gate.weight", (8, 8), True), ("layers.0.block_sparse_moe.router.weight", (8, 8), True),
     ("layers.0.mlp.gate_proj.weight", (8, 8), False), ("layers.0.attn.q_proj.weight", (8, 8), False),
     ("weight", (8, 8), False), ("layers.0.attn.q_proj.bias", (8,), True),
-    ("layers.0.experts.w", (2, 8, 8), True), ("layers.0.experts.weight", (2, 8, 8), True),
+    ("layers.0.experts.w", (2, 8, 8), False), ("layers.0.experts.weight", (2, 8, 8), False),
+    ("layers.0.experts.w_bias", (2, 1, 8), True), ("layers.0.not_experts.w", (2, 8, 8), True),
 ])
 def test_the_rule(name, shape, keep):
     assert stays_high_precision(name, shape) is keep

@@ -12,6 +12,8 @@
     python tools/bench.py convert      # BF16 -> MXFP8 conversion: GB/s and peak RSS for 1 and 3 GiB sources
     python tools/bench.py export       # NVFP4 / MXFP8 -> each serving layout vs a safetensors copy (disk, tmpfs);
                                        # export_tensors GB/s of source
+    python tools/bench.py moe          # MoE vs a dense model of the same bytes: quantize on load, save, load
+                                       # (time, RSS); share of parameters quantized at real scale (meta)
     python tools/bench.py dcp          # ~1 GiB quantized state on 2 ranks: DCP save / load / 2->4 load vs
                                        # DCP's FileSystemWriter; bytes read by a sliced load of 1/4 of the rows
 
@@ -665,16 +667,18 @@ def main(argv=None) -> int:
     import bench_convert  # noqa: E402 - tools/ is this script's directory
     import bench_hf  # noqa: E402
     import bench_io  # noqa: E402
+    import bench_moe  # noqa: E402
     bench_convert.add_parser(sub)
     bench_io.add_parser(sub)
     bench_hf.add_parser(sub)
+    bench_moe.add_parser(sub)
     e = sub.add_parser("export", help="NVFP4 / MXFP8 checkpoints into every serving layout vs a safetensors copy; "
                                       "export_tensors GB/s")
     e.add_argument("--export-gib", type=float, default=1.0, help="size of each source (GiB)")
     e.add_argument("--export-shape", default="8192x4096", help="its tensors' shape")
     e.add_argument("--repeat", type=int, default=3, help="runs of each side (median)")
     e.add_argument("--dir", default=None, help="where to write on disk (default: the system temp dir)")
-    for p in (q, c, m, d, e, *(sub.choices[k] for k in ("convert", "io", "hf") if k in sub.choices)):
+    for p in (q, c, m, d, e, *(sub.choices[k] for k in ("convert", "io", "hf", "moe") if k in sub.choices)):
         p.add_argument("--no-record", action="store_true", help="do not write the figures into docs/benchmarks.md")
     args = parser.parse_args(argv)
     out = _Tee(sys.stdout)
@@ -689,7 +693,8 @@ def _run(args) -> None:
     import bench_convert  # noqa: E402 - tools/ is this script's directory
     import bench_hf  # noqa: E402
     import bench_io  # noqa: E402
-    {"quantize": bench_quantize, "io": bench_io.run, "hf": bench_hf.run, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
+    import bench_moe  # noqa: E402
+    {"quantize": bench_quantize, "io": bench_io.run, "hf": bench_hf.run, "moe": bench_moe.run, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run,
      "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)
 

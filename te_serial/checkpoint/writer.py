@@ -302,10 +302,12 @@ HF_INSTALL_HINT = "te-serial checkpoint: pip install 'te-serial[hf]' and import 
 
 def _recipe_of(q: Any, uniform_usages: bool, cache: dict) -> str | dict:
     """A module's entry in ``quantization_config["modules"]``: the recipe name that makes quantizer
-    ``q`` (with its usages, where all modules share them), else the quantizer's own fields."""
+    ``q`` (a grouped weight: its members; with its usages, where all modules share them), else the
+    quantizer's own fields."""
     key = (q, uniform_usages)
     if key not in cache:
-        names = [n for n in RECIPES if recipe_quantizer(n, rowwise=q.rowwise, columnwise=q.columnwise) == q]
+        m = q.member_format()  # a grouped (MoE) weight: its experts' recipe
+        names = [n for n in RECIPES if recipe_quantizer(n, rowwise=m.rowwise, columnwise=m.columnwise) == m]
         cache[key] = names[0] if names and uniform_usages else q.to_dict()
     return cache[key]
 

@@ -185,6 +185,14 @@ class Quantizer(LayoutRules, QuantizeEngine):
             return dataclasses.replace(self, rowwise=target.rowwise, columnwise=target.columnwise)
         return None
 
+    def member_format(self) -> "Quantizer":
+        """The quantizer the tensor's values are quantized with: this one; a container's members'."""
+        return self
+
+    def data_buffers(self) -> frozenset[str]:
+        """The buffers holding element codes (the bulk), as opposed to scales and amaxes."""
+        return frozenset(self.usage_layout(u).data for u in self.usages_on())
+
     def conversion_usages(self) -> tuple[str, ...]:
         """The usages a conversion builds one by one (:meth:`derive`): the enabled ones; a container's
         are its members'."""

@@ -255,6 +255,13 @@ class GroupedQuantizer(Quantizer):
     def conversion_usages(self) -> tuple[str, ...]:
         return self.member.usages_on() if self.member is not None else ()
 
+    def member_format(self) -> Quantizer:
+        return self.member if self.member is not None else self
+
+    def data_buffers(self) -> frozenset[str]:
+        member_data = self.member.data_buffers() if self.member is not None else {_PLAIN}
+        return frozenset(g for g, m in self._lay().member_name.items() if m in member_data)
+
     def exact_output(self, target):
         """The same members in ``target``'s member format where the member format has an exact path."""
         if target == self:

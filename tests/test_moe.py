@@ -1,0 +1,305 @@
+"""MoE end to end (issue 36): transformers 5's 3-D expert parameters are quantized weights.
+
+Checked against transformers' own MoE classes (Qwen3-MoE, Mixtral, DeepSeek-V3 from tiny configs;
+the three expert implementations), the independent reference oracle for each expert's bytes, and
+the per-expert checkpoints ``save_pretrained`` and ``convert`` write.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import te_serial as ts
+from te_serial.errors import ConversionError, FormatError
+from te_serial.formats import QuantizedTensor
+from te_serial.formats.grouped import GroupedQuantizer, GroupedTensor
+from te_serial.formats.slicing import join_rows, slice_quantized
+from te_serial.precision import high_precision_reason
+from te_serial.recipes import recipe_quantizer
+
+from reference import te_reference as ref
+
+transformers = pytest.importorskip("transformers")
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+def qwen3_moe_config():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+
+
+def mixtral_config():
+    return transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+def deepseek_v3_config():
+    return transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=48, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1)
+
+
+CONFIGS = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config, "deepseek_v3": deepseek_v3_config}
+RECIPES = ("mxfp8", "nvfp4", "fp8_current", "fp8_block_1d")
+
+
+def build(arch: str, seed: int = 0, device: str = "cpu"):
+    """A tiny model of ``arch`` in BF16; its experts adversarial: experts far apart in magnitude
+    (per-expert scales must differ), one expert all zero."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.bfloat16)
+    if device == "meta":
+        return model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 3:
+                for i in range(p.shape[0]):
+                    p[i].mul_(10.0 ** ((i % 5) - 2))
+                p[1].zero_()
+    return model
+
+
+def expert_stacks(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.dim() == 3}
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def same_tensors(a, b) -> bool:
+    if isinstance(a, QuantizedTensor) or isinstance(b, QuantizedTensor):
+        return (type(a) is type(b) and a.quantizer == b.quantizer and a.shape == b.shape
+                and set(a.buffers()) == set(b.buffers())
+                and all(same_bytes(x, b.buffers()[k]) for k, x in a.buffers().items()))
+    return a.dtype == b.dtype and same_bytes(a.detach(), b.detach())
+
+
+def assert_same_model(a, b) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert list(pa) == list(pb)
+    bad = [n for n in pa if not same_tensors(pa[n], pb[n])]
+    assert not bad, bad[:5]
+
+
+def dequantized_copy(model, arch):
+    plain = build(arch)
+    state = {n: (p.dequantize() if isinstance(p, QuantizedTensor) else p.detach())
+             for n, p in model.state_dict(keep_vars=True).items()}
+    plain.load_state_dict(state)
+    return plain
+
+
+# --- the rule ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,shape,why", [
+    ("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64), None),
+    ("model.layers.0.mlp.experts.down_proj", (8, 64, 64), None),
+    ("model.layers.0.mlp.experts.gate_up_proj_bias", (8, 128), "not a 2-D"),
+    ("model.layers.0.mlp.experts.gate_up_proj_bias", (8, 1, 128), "3-D, not a stack"),
+    ("model.layers.0.mlp.experts.down_proj_scale", (8, 4, 2), "3-D, not a stack"),
+    ("model.layers.0.conv.weight", (8, 4, 3), "3-D, not a stack"),
+    ("model.layers.0.mlp.gate.weight", (8, 64), "a MoE router"),
+    ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64), "a MoE router"),
+    ("model.layers.0.mlp.shared_expert.up_proj.weight", (64, 64), None),
+    ("model.embed_tokens.weight", (128, 64), "an embedding"),
+    ("lm_head.weight", (128, 64), "an output head"),
+])
+def test_the_rule_says_why(name, shape, why):
+    got = high_precision_reason(name, shape)
+    assert (got is None) if why is None else (got is not None and got.startswith(why)), got
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_every_weight_outside_embeddings_heads_norms_and_routers_is_quantized(arch):
+    model = ts.quantize_model(build(arch), "nvfp4", columnwise=False)
+    for name, p in model.named_parameters():
+        expected = high_precision_reason(name, tuple(p.shape)) is None
+        assert isinstance(p, QuantizedTensor) is expected, name
+        if p.dim() == 3 and expected:
+            assert isinstance(p, GroupedTensor) and p.quantizer.num_tensors == p.shape[0], name
+
+
+# --- bytes: each expert as TE's GroupedLinear quantizes its members ----------------------------
+
+def _reference_member(recipe: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    if recipe == "mxfp8":
+        return ref.ref_mxfp8(x, torch.float8_e4m3fn, rowwise=True, columnwise=False)
+    if recipe == "fp8_current":
+        return ref.ref_float8_current(x, torch.float8_e4m3fn, rowwise=True, columnwise=False)
+    if recipe == "nvfp4":
+        return ref.ref_nvfp4(x, rowwise=True, columnwise=False)
+    raise AssertionError(recipe)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_current", "nvfp4"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_each_expert_has_the_reference_bytes(arch, recipe):
+    model = build(arch)
+    stacks = {n: p.detach().clone() for n, p in expert_stacks(model).items()}
+    ts.quantize_model(model, recipe, columnwise=False)
+    q = dict(model.named_parameters())
+    for name, w in stacks.items():
+        members = q[name].members()
+        assert len(members) == w.shape[0]
+        for i, member in enumerate(members):
+            expected = _reference_member(recipe, w[i])
+            got = member.buffers()
+            for buf, value in expected.items():
+                if value is None or buf not in got:
+                    continue
+                assert same_bytes(got[buf], value.to(got[buf].device)), (name, i, buf)
+        scales = {bytes(m.buffers()[next(b for b in m.buffers() if "scale" in b)].view(torch.uint8).reshape(-1)[:4])
+                  for m in members}
+        assert len(scales) > 1, "experts of different magnitudes must get different scales"
+
+
+# --- the forward pass: every transformers expert implementation ----------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_logits_equal_the_dequantized_model_in_every_expert_implementation(arch, recipe):
+    model = ts.quantize_model(build(arch), recipe, columnwise=False)
+    plain = dequantized_copy(model, arch)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    for impl in IMPLEMENTATIONS:
+        model.set_experts_implementation(impl)
+        plain.set_experts_implementation(impl)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain(ids).logits), impl
+
+
+def test_picking_experts_dequantizes_only_those_members():
+    w = torch.randn(6, 64, 32).bfloat16()
+    g = GroupedQuantizer(member=recipe_quantizer("mxfp8", columnwise=False), member_shapes=[(64, 32)] * 6)
+    t = g.quantize(w)
+    whole = t.dequantize()
+    assert torch.equal(t[3], whole[3])
+    assert torch.equal(t[-1], whole[-1])
+    ids = torch.tensor([[5, 0], [5, 2]])
+    assert torch.equal(t[ids], whole[ids])
+    assert t[torch.tensor([], dtype=torch.long)].shape == (0, 64, 32)
+    with pytest.raises(IndexError):
+        t[torch.tensor([6])]
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_save_load_and_load_into_a_meta_model(arch, recipe, tmp_path):
+    model = ts.quantize_model(build(arch), recipe, columnwise=False)
+    ts.save_quantized(model, tmp_path / "ckpt")
+    state = ts.load_quantized(tmp_path / "ckpt")
+    for name, p in model.named_parameters():
+        assert same_tensors(state[name], p), name
+    meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "ckpt")
+    assert_same_model(meta, model)
+    with ts.open(tmp_path / "ckpt") as ckpt:  # one expert's bytes alone
+        name = next(iter(expert_stacks(model)))
+        assert same_tensors(ckpt.get(name, member=2), dict(model.named_parameters())[name].members()[2])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_quantize_on_load_of_a_save_pretrained_directory_equals_quantize_model(arch, recipe, tmp_path):
+    src = build(arch)
+    src.save_pretrained(tmp_path / "bf16")
+    expected = ts.quantize_model(build(arch), recipe, columnwise=False)
+    meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "bf16")
+    assert_same_model(meta, expected)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_a_converted_per_expert_checkpoint_loads_into_the_3d_experts_exactly(arch, recipe, tmp_path):
+    build(arch).save_pretrained(tmp_path / "bf16")
+    ts.convert(tmp_path / "bf16", tmp_path / "out", recipe=recipe)
+    with ts.open(tmp_path / "out") as ckpt:
+        assert any(".experts.0." in n for n in ckpt.protos)  # per-expert keys, as engines read them
+    expected = ts.quantize_model(build(arch), recipe, columnwise=False)
+    meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "out")
+    assert_same_model(meta, expected)
+
+
+def test_a_stack_that_would_mix_blocks_is_refused_naming_the_tensor_and_the_rule(tmp_path):
+    build("qwen3_moe").save_pretrained(tmp_path / "bf16")
+    ts.convert(tmp_path / "bf16", tmp_path / "out", recipe="fp8_block")  # 128×128 blocks, 64 gate rows
+    meta = ts.quantize_model(build("qwen3_moe", device="meta"), "fp8_block", columnwise=False)
+    with pytest.raises(ConversionError, match=r"experts\.gate_up_proj.*row blocks of 128"):
+        ts.load_into(meta, tmp_path / "out")
+
+
+def test_gpt_oss_experts_stored_in_out_stay_high_precision_with_a_warning():
+    cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ts.quantize_model(model, "mxfp8", columnwise=False)
+    assert not isinstance(model.model.layers[0].mlp.experts.gate_up_proj, QuantizedTensor)
+    assert any("experts.gate_up_proj left unquantized" in str(w.message) and "(in, out)" in str(w.message)
+               for w in caught)
+
+
+# --- join_rows: the exact inverse of slicing by rows --------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current", "fp8_block", "fp8_block_1d"])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_join_rows_is_the_inverse_of_slicing(recipe, columnwise):
+    q = recipe_quantizer(recipe, rowwise=True, columnwise=columnwise)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(384, 256, generator=g)
+    x[:128] *= 1e4        # blocks of very different magnitude on each side of a cut
+    x[128:256] *= 1e-4
+    x[300, 7] = 0.0
+    whole = q.quantize(x.bfloat16())
+    cuts = (0, 128, 256, 384)
+    parts = [slice_quantized(whole, rows=(a, b)) for a, b in zip(cuts, cuts[1:])]
+    shape, bufs = join_rows(q, [(p.logical_shape, p.buffers()) for p in parts])
+    assert shape == (384, 256)
+    assert set(bufs) == set(whole.buffers())
+    assert all(same_bytes(bufs[n], t) for n, t in whole.buffers().items())
+
+
+def test_join_rows_refuses_what_would_requantize():
+    q = recipe_quantizer("fp8_current", columnwise=False)
+    a, b = q.quantize(torch.randn(32, 64)), q.quantize(torch.randn(32, 64) * 100)
+    with pytest.raises(FormatError, match="tensor-wide scale"):
+        join_rows(q, [(a.logical_shape, a.buffers()), (b.logical_shape, b.buffers())])
+    q = recipe_quantizer("fp8_block_1d", columnwise=True)  # the columnwise copy's blocks run 128 rows
+    a, b = q.quantize(torch.randn(64, 128)), q.quantize(torch.randn(64, 128))
+    with pytest.raises(FormatError, match="row blocks of 128"):
+        join_rows(q, [(a.logical_shape, a.buffers()), (b.logical_shape, b.buffers())])
+
+
+# --- transformers' from_pretrained (te_serial.hf) ----------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_from_pretrained_quantizes_experts_on_load_and_loads_them_back(arch, recipe, tmp_path):
+    hf = pytest.importorskip("te_serial.hf")
+    build(arch).save_pretrained(tmp_path / "bf16")
+    expected = ts.quantize_model(build(arch), recipe, columnwise=False)
+    on_load = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=hf.TeSerialConfig(recipe=recipe, usages=["rowwise"]))
+    assert_same_model(on_load, expected)
+    on_load.save_pretrained(tmp_path / "te")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "te")
+    assert_same_model(again, expected)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, dequantized_copy(expected, arch)(ids).logits)
