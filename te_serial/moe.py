@@ -77,3 +77,57 @@ def plan_fused(checkpoint_names: Iterable[str], wanted: Iterable[str]) -> tuple[
         if new != n and new in wanted and new not in have and _PER_EXPERT.fullmatch(n) is None:
             renamed[new] = n
     return fused, renamed
+
+
+# --- the other way: transformers 5's 3-D experts written under the checkpoints' per-expert names ----
+
+#: architecture (``config.json`` ``architectures[0]``) → (per-expert projections (gate, up, down), the
+#: checkpoints' name of the MoE module where it is not transformers 5's ``mlp``); None: the
+#: architecture's checkpoints keep the 3-D names (gpt-oss). Others: Qwen's names.
+CHECKPOINT_STYLES: dict[str, tuple[tuple[str, str, str], str | None] | None] = {
+    "MixtralForCausalLM": (("w1", "w3", "w2"), "block_sparse_moe"),
+    "GptOssForCausalLM": None,
+}
+DEFAULT_STYLE = (PROJECTION_STYLES[0], None)
+_FUSED = re.compile(rf"(.+)\.experts\.({FUSED_GATE_UP}|{FUSED_DOWN})", re.DOTALL)
+
+
+class ExpertPart(NamedTuple):
+    """One per-expert checkpoint tensor: rows ``rows`` (None: all) of expert ``expert`` of ``source``."""
+
+    source: str
+    expert: int
+    rows: tuple[int, int] | None
+
+
+def checkpoint_name(name: str, architecture: str | None) -> str:
+    """``name`` as the architecture's checkpoints (and engines) write it: Mixtral's ``mlp`` is
+    ``block_sparse_moe`` there (its router included)."""
+    style = CHECKPOINT_STYLES.get(architecture or "", DEFAULT_STYLE)
+    if style is None or style[1] is None:
+        return name
+    return name.replace(".mlp.", f".{style[1]}.")
+
+
+def plan_split_fused(shapes: dict[str, tuple[int, ...]], architecture: str | None) -> dict[str, ExpertPart]:
+    """Per-expert checkpoint name → its part of a transformers 5 expert parameter, for every 3-D
+    ``<p>.experts.gate_up_proj`` / ``down_proj`` in ``shapes`` (gate_up: the first half of each expert's
+    rows is the gate, the second the up). Empty for architectures whose checkpoints keep 3-D names."""
+    style = CHECKPOINT_STYLES.get(architecture or "", DEFAULT_STYLE)
+    if style is None:
+        return {}
+    (gate, up, down), _ = style
+    out: dict[str, ExpertPart] = {}
+    for name, shape in shapes.items():
+        m = _FUSED.fullmatch(name)
+        if m is None or len(shape) != 3:
+            continue
+        base = checkpoint_name(f"{m.group(1)}.experts", architecture)
+        rows = shape[1]
+        for i in range(shape[0]):
+            if m.group(2) == FUSED_GATE_UP:
+                out[f"{base}.{i}.{gate}.weight"] = ExpertPart(name, i, (0, rows // 2))
+                out[f"{base}.{i}.{up}.weight"] = ExpertPart(name, i, (rows // 2, rows))
+            else:
+                out[f"{base}.{i}.{down}.weight"] = ExpertPart(name, i, None)
+    return out

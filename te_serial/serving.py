@@ -21,7 +21,7 @@ import torch
 
 from .conversion.core import _check_fused_scales, _export, _share_fused_scales, plan_conversion
 from .conversion.layouts.base import prefix
-from .conversion.sources import GroupedView, ModuleSource, open_source
+from .conversion.sources import ModuleSource, open_source, split_experts
 from .conversion.transforms import execute, values
 from .errors import ConversionError
 
@@ -49,7 +49,7 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
     source = ModuleSource(model_or_ckpt) if isinstance(model_or_ckpt, (torch.nn.Module, Mapping)) \
         else open_source(model_or_ckpt, dtype=dtype)
     with source:
-        src = GroupedView(source, "split")
+        src = split_experts(source)
         family, spec, plans = plan_conversion(src, recipe=layout, rules=rules, dtype=dtype,
                                               activations=activations, activation_amax=activation_amax, fused=fused)
         if spec is None:

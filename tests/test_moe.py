@@ -303,3 +303,63 @@ def test_from_pretrained_quantizes_experts_on_load_and_loads_them_back(arch, rec
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, dequantized_copy(expected, arch)(ids).logits)
+
+
+# --- exports: the per-expert names engines read ------------------------------------------------
+
+def _export_keys_and_config(out):
+    import json
+    from safetensors import safe_open
+    keys = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            keys.update({k: fh.get_tensor(k) for k in fh.keys()})
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg.get("quantization_config", {})
+    ignored = qc.get("ignore", qc.get("exclude_modules"))
+    if ignored is None and (out / "hf_quant_config.json").exists():
+        ignored = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    return keys, ignored
+
+
+EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+@pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"),
+                                           ("mxfp8", "modelopt_mxfp8"), ("mxfp8", "compressed_tensors_mxfp8"),
+                                           ("fp8_current", "compressed_tensors_fp8_tensor")])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_exports_write_each_expert_under_the_engines_names_and_import_back_exactly(arch, recipe, layout, tmp_path):
+    model = ts.quantize_model(build(arch), recipe, columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout)
+    keys, ignored = _export_keys_and_config(tmp_path / "out")
+    module, (gate, up, down) = EXPERT_NAMES[arch]
+    layer = 1 if arch == "deepseek_v3" else 0   # DeepSeek-V3's first layer is dense
+    n = CONFIGS[arch]().to_dict().get("num_experts") or CONFIGS[arch]().to_dict().get("num_local_experts") \
+        or CONFIGS[arch]().n_routed_experts
+    for i in range(n):
+        for proj in (gate, up, down):
+            assert any(k.startswith(f"model.layers.{layer}.{module}.experts.{i}.{proj}.") for k in keys), (i, proj)
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)  # no 3-D names left
+    routers = sorted(f"model.layers.{i}.{module}.gate" for i in range(2) if arch != "deepseek_v3" or i == 1)
+    assert [m for m in ignored if m.endswith(".gate")] == routers  # the high-precision modules, by their names
+    assert not any(".experts." in m for m in ignored)
+    if recipe == "nvfp4":  # gate and up of each expert carry one global scale, as vLLM serves them
+        suffix = "weight_scale_2" if layout.startswith("modelopt") else "weight_global_scale"
+        for i in range(n):
+            pre = f"model.layers.{layer}.{module}.experts.{i}."
+            assert torch.equal(keys[f"{pre}{gate}.{suffix}"], keys[f"{pre}{up}.{suffix}"])
+    meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "out")   # the export, read back into the 3-D experts
+    assert_same_model(meta, model)
+
+
+def test_export_tensors_of_a_moe_model_names_its_experts():
+    model = ts.quantize_model(build("mixtral"), "mxfp8", columnwise=False)
+    names = [n for n, _ in ts.serving.export_tensors(model, "modelopt_mxfp8")]
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n for n in names)

@@ -35,7 +35,8 @@ from .layouts.base import codes_check, module_of, prefix
 from .layouts.common import KV_CACHE_SCALES, SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .pipeline import run_pipeline
-from .sources import ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source
+from .sources import (ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source,
+                      split_experts)
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
                       usage_label)
 from .transforms import (GROUPED_MODES, ROW, STATS_MODES, ErrorStats, Step, compare, compare_rows, enabled, execute,
@@ -635,6 +636,8 @@ def _grouped_view(source: Source, grouped: str | None, rules, recipe: str | None
                                   recipe).family() == "te" else "split"
     if grouped not in GROUPED_MODES:
         raise ConversionError(f"grouped must be one of {list(GROUPED_MODES)}, got {grouped!r}", field="grouped")
+    if grouped == "split":
+        return split_experts(source)
     return source if grouped == "keep" else GroupedView(source, grouped)
 
 

@@ -604,6 +604,8 @@ class ModuleSource(Source):
         state = model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else dict(model)
         cfg = getattr(model, "config", None)
         self.config = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else None
+        if self.config is not None and not self.config.get("architectures"):  # a model built from its config
+            self.config["architectures"] = [type(model).__name__]
         self._state: dict[str, torch.Tensor] = {}
         first: dict[int, str] = {}
         for name, t in state.items():
@@ -784,3 +786,85 @@ class FusedExpertsView(Source):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class PerExpertView(Source):
+    """``source`` with transformers 5's 3-D expert parameters (``experts.gate_up_proj``,
+    ``experts.down_proj``; plain or grouped) written under the per-expert names its architecture's
+    checkpoints and engines use (:func:`te_serial.moe.plan_split_fused`: Qwen's ``gate_proj`` /
+    ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe...w1`` / ``w3`` / ``w2``, its router
+    renamed with it). A quantized expert's gate and up are its rows' halves (``slice_quantized``:
+    exact, each keeping what holds the whole expert, e.g. NVFP4's one tensor amax: the global scale
+    gate and up share, as engines need). One expert's bytes are read at a time."""
+
+    def __init__(self, inner: Source) -> None:
+        from ..fusion import architecture_of
+        from ..moe import checkpoint_name, plan_split_fused
+        self.__dict__.update(inner.__dict__)
+        self.inner, self.layout = inner, inner.layout
+        arch = architecture_of(inner.config)
+        self._parts = plan_split_fused({n: st.shape for n, st in inner.tensors.items()}, arch)
+        split = {p.source for p in self._parts.values()}
+        self._renamed: dict[str, str] = {}
+        self.tensors = {}
+        for name, st in inner.tensors.items():
+            if name in split:
+                for out, part in self._parts.items():
+                    if part.source == name:
+                        self.tensors[out] = self._part_tensor(out, st, part)
+                continue
+            new = checkpoint_name(name, arch)
+            if new in self.tensors or (new != name and new in inner.tensors):
+                raise ConversionError(f"writing experts under their checkpoint names gives {new!r} twice", tensor=new)
+            if new != name:
+                self._renamed[new] = name
+            self.tensors[new] = dataclasses.replace(st, name=new) if new != name else st
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _part_tensor(self, out: str, st: SourceTensor, part) -> SourceTensor:
+        g = st.quantizer
+        rows = part.rows or (0, st.shape[1])
+        shape = (rows[1] - rows[0], st.shape[2])
+        if g is None:
+            proto = TensorProto(shape, st.dtype)
+        else:
+            q = g.member_format()
+            align = q.slice_alignment()[0]
+            if rows[0] % align:
+                raise ConversionError(f"cannot write {out} exactly: the gate of {st.name} ends at row {rows[0]}, not on "
+                                      f"{q.layout_name()}'s row blocks of {align}; keep the expert whole "
+                                      "(convert to a te-serial recipe) or convert from high precision", tensor=out)
+            proto = TensorProto(shape, st.dtype, q)
+        fmt = describe_quantizer(proto.quantizer) if proto.quantizer is not None else describe_dtype(proto.dtype)
+        return SourceTensor(out, proto, fmt, usage_label(proto.quantizer), proto.nbytes, {"expert_part": part})
+
+    def load(self, name: str) -> torch.Tensor:
+        from ..formats.slicing import slice_quantized
+        part = self.tensors[name].keys.get("expert_part") if name in self.tensors else None
+        if part is None:
+            return self.inner.load(self._renamed.get(name, name))
+        st = self.inner.tensors[part.source]
+        if st.quantizer is None:
+            t = self.inner.load(part.source)[part.expert]
+            return t[part.rows[0]:part.rows[1]] if part.rows else t
+        member = self.inner.load_member(part.source, part.expert)
+        return slice_quantized(member, rows=part.rows) if part.rows else member
+
+    def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        st = self.tensors[name]
+        if "expert_part" in st.keys or name in self._renamed:
+            return self.load(name), None
+        return self.inner.stream(name)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def split_experts(source: Source) -> Source:
+    """``source`` with every expert weight under its own per-expert name, as engines read them: 3-D
+    transformers 5 experts (:class:`PerExpertView`) and TE grouped weights (:class:`GroupedView`)."""
+    return GroupedView(PerExpertView(source), "split")

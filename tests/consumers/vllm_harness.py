@@ -62,7 +62,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 
-__all__ = ["load_with_vllm", "vllm_values", "SCHEME_OF_LAYOUT", "E2M1"]
+__all__ = ["load_with_vllm", "load_experts_with_vllm", "vllm_values", "SCHEME_OF_LAYOUT", "E2M1"]
 
 #: te-serial serving layout -> the weight scheme vllm_values applies
 SCHEME_OF_LAYOUT = {
@@ -131,11 +131,9 @@ def _quantized_linear(module) -> bool:
     return isinstance(module, LinearBase) and qm is not None and not type(qm).__name__.startswith("Unquantized")
 
 
-def load_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
-    """Load ``export_dir`` (config.json + *.safetensors of a tiny LlamaForCausalLM serving export)
-    with vLLM on CPU; return ``{module name: {tensor name: clone}}`` for every linear module whose
-    quant_method is a quantized one, after vLLM's post-load processing. Each module's dict also
-    has ``"logical_widths"`` (int64, vLLM's ``layer.logical_widths``: the fused shards' widths)."""
+def _loaded_model(export_dir):
+    """vLLM's model for ``export_dir`` (config.json + *.safetensors), its weights streamed through
+    ``load_weights`` and post-load processing done, on CPU."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                  init_distributed_environment, initialize_model_parallel)
@@ -164,14 +162,40 @@ def load_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
+    return model
+
+
+def _held(module) -> dict[str, torch.Tensor]:
+    d = {k: v.detach().clone() for k, v in module.named_parameters(recurse=False)}
+    d.update({k: v.detach().clone() for k, v in module.named_buffers(recurse=False) if v is not None})
+    return d
+
+
+def load_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
+    """Load ``export_dir`` (config.json + *.safetensors of a tiny LlamaForCausalLM serving export)
+    with vLLM on CPU; return ``{module name: {tensor name: clone}}`` for every linear module whose
+    quant_method is a quantized one, after vLLM's post-load processing. Each module's dict also
+    has ``"logical_widths"`` (int64, vLLM's ``layer.logical_widths``: the fused shards' widths)."""
     held: dict[str, dict[str, torch.Tensor]] = {}
-    for name, module in model.named_modules():
+    for name, module in _loaded_model(export_dir).named_modules():
         if not _quantized_linear(module):
             continue
-        d = {k: v.detach().clone() for k, v in module.named_parameters(recurse=False)}
-        d.update({k: v.detach().clone() for k, v in module.named_buffers(recurse=False) if v is not None})
-        d["logical_widths"] = torch.tensor(list(module.logical_widths), dtype=torch.int64)
-        held[name] = d
+        held[name] = _held(module)
+        held[name]["logical_widths"] = torch.tensor(list(module.logical_widths), dtype=torch.int64)
+    return held
+
+
+def load_experts_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
+    """Load a MoE serving export with vLLM on CPU (its FusedMoE loaders stack the per-expert
+    checkpoint tensors into ``w13_weight`` [E, 2I, H] = gate rows then up rows, and ``w2_weight``
+    [E, H, I], with their scales); return ``{module name: {tensor name: clone}}`` for every experts
+    module (one holding ``w13_weight``) after post-load processing, with ``"quant_method"`` (its
+    quant method's class name, as a 0-d tensor can't: a str)."""
+    held: dict[str, dict] = {}
+    for name, module in _loaded_model(export_dir).named_modules():
+        if "w13_weight" in module._parameters:
+            held[name] = _held(module)
+            held[name]["quant_method"] = type(module.quant_method).__name__
     return held
 
 

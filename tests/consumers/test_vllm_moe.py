@@ -1,0 +1,64 @@
+"""vLLM (0.33.0, its real MoE models, FusedMoE weight loaders and post-load processing, on CPU; see
+vllm_harness.py) loads te-serial's serving exports of quantized MoE models (issue 36) and holds the
+values te-serial's 3-D experts have.
+
+The exports come from ``quantize_model`` (transformers 5's 3-D expert parameters quantized one
+expert at a time) + ``save_quantized`` + ``convert`` to the layout: the experts are written under
+the per-expert names the engines read (Qwen's ``mlp.experts.<i>.gate_proj``, Mixtral's
+``block_sparse_moe.experts.<i>.w1``), with per-expert scales. vLLM stacks them into
+``w13_weight`` [E, 2I, H] (gate rows, then up rows: each te-serial expert's own order) and
+``w2_weight``; its MXFP8 emulation backend dequantizes them to BF16 at load, which must equal
+te-serial's dequantized experts bit for bit. Before this, the exports wrote the experts under
+transformers' in-memory 3-D names, which vLLM's Qwen3-MoE loader took with scales left unset.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import te_serial as ts
+
+pytestmark = [
+    pytest.mark.consumers,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                       reason="vLLM not installed: pip install --no-deps -c constraints.txt -r "
+                              "tests/consumers/requirements.txt"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+
+def _values(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What vLLM holds, as BF16 values: its MXFP8 emulation's BF16 dequantization as it is, or
+    (compressed-tensors keeps the codes) E4M3 codes × 2^(E8M0 − 127) per 32 elements along K."""
+    if weight.dtype == torch.bfloat16:
+        return weight
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.uint8
+    factor = torch.exp2(scale.float() - 127.0).repeat_interleave(32, dim=-1)
+    return (weight.float() * factor).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["modelopt_mxfp8", "compressed_tensors_mxfp8"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_vllm_holds_te_serial_expert_values(arch, layout, tmp_path):
+    from test_moe import build
+    from vllm_harness import load_experts_with_vllm
+    model = ts.quantize_model(build(arch), "mxfp8", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout)
+    held = load_experts_with_vllm(tmp_path / "out")
+    ours = dict(model.named_parameters())
+    layers = sorted({n.rsplit(".experts.", 1)[0] for n in ours if ".experts." in n})
+    assert len(held) == len(layers) == 2
+    for layer in layers:
+        got = next(v for k, v in held.items() if k.startswith(layer.replace(".mlp", "") + ".")
+                   or k.startswith(layer + "."))
+        assert "MxFp8" in got["quant_method"] or "Mxfp8" in got["quant_method"], got["quant_method"]
+        for vllm_name, ours_name in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+            want = ours[f"{layer}.experts.{ours_name}"].dequantize(torch.bfloat16)
+            have = _values(got[vllm_name], got[f"{vllm_name}_scale"])
+            assert have.shape == want.shape
+            assert torch.equal(have.view(torch.int16), want.view(torch.int16)), (layer, vllm_name)
