@@ -39,6 +39,11 @@ class FusedExperts(NamedTuple):
     parts: tuple[tuple[str, ...], ...]   # per expert: (gate, up) or (down,)
 
 
+def is_per_expert(name: str) -> bool:
+    """A checkpoint's per-expert weight (``<p>.experts.<i>.<projection>.weight``)."""
+    return _PER_EXPERT.fullmatch(name) is not None
+
+
 def in_memory_name(name: str) -> str:
     """A checkpoint's module path as transformers 5 names it (:data:`MODULE_RENAMES`)."""
     for old, new in MODULE_RENAMES:

@@ -295,7 +295,8 @@ def test_from_pretrained_quantizes_experts_on_load_and_loads_them_back(arch, rec
     build(arch).save_pretrained(tmp_path / "bf16")
     expected = ts.quantize_model(build(arch), recipe, columnwise=False)
     on_load = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=hf.TeSerialConfig(recipe=recipe, usages=["rowwise"]))
+        tmp_path / "bf16", dtype=torch.bfloat16,
+        quantization_config=hf.TeSerialConfig(recipe=recipe, usages=["rowwise"]))
     assert_same_model(on_load, expected)
     on_load.save_pretrained(tmp_path / "te")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "te")
@@ -334,7 +335,17 @@ EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 def test_exports_write_each_expert_under_the_engines_names_and_import_back_exactly(arch, recipe, layout, tmp_path):
     model = ts.quantize_model(build(arch), recipe, columnwise=False)
     ts.save_quantized(model, tmp_path / "te")
-    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout)
+    amax = None
+    if layout.endswith("fp8_tensor"):  # FP8 experts are served only with FP8 activations (static scales here)
+        from te_serial.moe import checkpoint_name, plan_split_fused
+        arch_name = type(model).__name__
+        params = dict(model.named_parameters())
+        modules = {n.rsplit(".", 1)[0] for n in plan_split_fused({n: tuple(p.shape) for n, p in params.items()},
+                                                                 arch_name)}
+        modules |= {checkpoint_name(n.rsplit(".", 1)[0], arch_name) for n, p in params.items()
+                    if isinstance(p, QuantizedTensor) and p.dim() == 2}
+        amax = dict.fromkeys(modules, 4.0)
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=amax)
     keys, ignored = _export_keys_and_config(tmp_path / "out")
     module, (gate, up, down) = EXPERT_NAMES[arch]
     layer = 1 if arch == "deepseek_v3" else 0   # DeepSeek-V3's first layer is dense
@@ -363,3 +374,19 @@ def test_export_tensors_of_a_moe_model_names_its_experts():
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
     assert not any(".mlp." in n for n in names)
+
+
+def test_an_export_no_engine_serves_for_experts_is_refused(tmp_path):
+    """compressed-tensors FP8 weight-only (W8A16): vLLM has no MoE method for it; the export says so
+    instead of writing a checkpoint that loads nowhere."""
+    model = ts.quantize_model(build("qwen3_moe"), "fp8_current", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    with pytest.raises(ConversionError, match=r"W8A16.*MoE experts.*experts\.0\.gate_proj.*no MoE method"):
+        ts.convert(tmp_path / "te", tmp_path / "out", recipe="compressed_tensors_fp8")
+    assert not (tmp_path / "out").exists()
+    build("qwen3_moe").save_pretrained(tmp_path / "bf16")   # the experts kept out by a rule: written
+    ts.convert(tmp_path / "bf16", tmp_path / "kept",
+               rules=[("*.experts.*", "keep"), ("*_proj.weight", "compressed_tensors_fp8")])
+    keys, ignored = _export_keys_and_config(tmp_path / "kept")
+    assert keys["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
+    assert keys["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn

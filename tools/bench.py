@@ -694,7 +694,8 @@ def _run(args) -> None:
     import bench_hf  # noqa: E402
     import bench_io  # noqa: E402
     import bench_moe  # noqa: E402
-    {"quantize": bench_quantize, "io": bench_io.run, "hf": bench_hf.run, "moe": bench_moe.run, "ckpt": bench_ckpt, "model": bench_model, "dcp": bench_dcp,
+    {"quantize": bench_quantize, "io": bench_io.run, "hf": bench_hf.run, "moe": bench_moe.run, "ckpt": bench_ckpt,
+     "model": bench_model, "dcp": bench_dcp,
      "convert": bench_convert.run,
      "export": lambda a: bench_convert.run_export(a, tuple(bench_convert.EXPORTS))}[args.which](args)
 

@@ -108,8 +108,8 @@ elif mode == "save":
     t0 = time.perf_counter()
     ts.save_quantized(model, dst + ".again")
 secs = time.perf_counter() - t0
-kept = sum(sum(b.numel() * b.element_size() for b in p.buffers().values()) if hasattr(p, "buffers") and callable(p.buffers)
-           else p.numel() * p.element_size() for p in model.parameters())
+kept = sum(p.quantized_nbytes() if hasattr(p, "quantized_nbytes") else p.numel() * p.element_size()
+           for p in model.parameters())
 print(json.dumps({"s": secs, "added": rss("VmHWM") - base, "kept": kept}))
 """
 
@@ -136,7 +136,8 @@ def paths(args) -> None:
         results: dict[str, dict[str, list]] = {}
         for kind, (arch, kw) in _configs(args.gib).items():
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, arch)(**kw), dtype=torch.bfloat16)
+            cfg = getattr(transformers, arch)(**kw)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
             model.save_pretrained(work / f"{kind}_bf16")
             ts.save_quantized(ts.quantize_model(model, args.recipe, columnwise=False), work / f"{kind}_te")
             del model
@@ -149,7 +150,8 @@ def paths(args) -> None:
                                          capture_output=True, text=True, check=True)
                     results.setdefault(mode, {}).setdefault(kind, []).append(json.loads(out.stdout.splitlines()[-1]))
         print(f"\n{args.gib} GiB BF16 each, {args.recipe}; median of {args.repeat}; one process per run")
-        print(f"  {'path':<18}{'dense s':>9}{'MoE s':>9}{'MoE speed / dense':>19}{'RSS added/kept: dense':>23}{'MoE':>7}")
+        print(f"  {'path':<18}{'dense s':>9}{'MoE s':>9}{'MoE speed / dense':>19}"
+              f"{'RSS added/kept: dense':>23}{'MoE':>7}")
         for mode, kinds in results.items():
             d, m = (statistics.median(r["s"] for r in kinds[k]) for k in ("dense", "moe"))
             rd, rm = (statistics.median(r["added"] / r["kept"] for r in kinds[k]) for k in ("dense", "moe"))

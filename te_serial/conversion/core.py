@@ -35,6 +35,7 @@ from .layouts.base import codes_check, module_of, prefix
 from .layouts.common import KV_CACHE_SCALES, SIDECAR_NAME, parse_mode, sidecar_entry, write_sidecar
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .pipeline import run_pipeline
+from ..moe import is_per_expert
 from .sources import (ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source,
                       split_experts)
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
@@ -319,6 +320,8 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
             quantized = [module_of(n) for n, ws in scheme_of.items() if ws == s]
             with_amax = sum(m in acts for m in quantized)
             modes[s], note = LAYOUTS[family].resolve_mode(s, mode, with_amax, len(quantized))
+            experts = [n for n, ws in scheme_of.items() if ws == s and is_per_expert(n)]
+            LAYOUTS[family].check_experts(s, modes[s], experts)
             notes.append(note if len(schemes) == 1 else f"{LAYOUTS[family].layout_name(s)} layers: {note}")
         # fused weights share their input: one static input scale, the largest (as engines take it)
         groups = fused_groups(scheme_of, groups_for(architecture_of(source.config),

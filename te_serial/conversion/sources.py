@@ -835,8 +835,8 @@ class PerExpertView(Source):
             q = g.member_format()
             align = q.slice_alignment()[0]
             if rows[0] % align:
-                raise ConversionError(f"cannot write {out} exactly: the gate of {st.name} ends at row {rows[0]}, not on "
-                                      f"{q.layout_name()}'s row blocks of {align}; keep the expert whole "
+                raise ConversionError(f"cannot write {out} exactly: the gate of {st.name} ends at row {rows[0]}, "
+                                      f"not on {q.layout_name()}'s row blocks of {align}; keep the expert whole "
                                       "(convert to a te-serial recipe) or convert from high precision", tensor=out)
             proto = TensorProto(shape, st.dtype, q)
         fmt = describe_quantizer(proto.quantizer) if proto.quantizer is not None else describe_dtype(proto.dtype)

@@ -57,6 +57,8 @@ class Offer:
     name: str = ""                    # the layout's name in reports, where targets share one (else target)
     fmt: str = ""                     # a tensor's format in reports (else the layout's name)
     aliases: tuple[str, ...] = ()
+    #: activation mode → why no engine serves MoE experts written in it (such exports are refused)
+    no_moe: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class ExternalLayout:
@@ -122,6 +124,16 @@ class ExternalLayout:
                                   f"{total - with_amax} of {total} have none (pass activation_amax=)",
                                   field="activations")
         return requested, f"activations: {table[requested]} ({_MODE_WORDS[requested]}), as asked"
+
+    def check_experts(self, scheme: str, mode: str, experts: list[str]) -> None:
+        """Refuse writing MoE expert weights (``experts``) in ``scheme`` / ``mode`` where no engine has
+        a MoE path for it (:attr:`Offer.no_moe`): such an export would load nowhere."""
+        why = self.offers[scheme].no_moe.get(mode)
+        if why and experts:
+            raise ConversionError(f"{self.layout_name(scheme)} ({self.modes[scheme][mode]}) for MoE experts "
+                                  f"({experts[0]} and {len(experts) - 1} more): {why}; choose another scheme or "
+                                  "activation mode, or keep the experts out with a rule", tensor=experts[0],
+                                  field="activations")
 
     # --- export --------------------------------------------------------------------------------
     def weight_keys(self, name: str, shape: tuple[int, ...], scheme: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -56,6 +56,12 @@ def _args(num_bits, strategy, *, group_size=None, dynamic=False, scale_dtype=Non
     return a
 
 
+#: vLLM 0.33's compressed-tensors MoE methods take FP8 weights only with FP8 activations
+#: (``CompressedTensorsMoEMethod.get_moe_method``: W8A16 FP8 raises "unsupported")
+_NO_FP8_A16_MOE = {"weight_only": "vLLM has no MoE method for FP8 weight-only (W8A16) compressed-tensors experts "
+                                  "(0.33: CompressedTensorsMoEMethod.get_moe_method raises on it)"}
+
+
 class CompressedTensors(ExternalLayout):
     family = "ct"
     mixed_name = "compressed_tensors_mixed"
@@ -67,10 +73,10 @@ class CompressedTensors(ExternalLayout):
     offers = {
         "fp8_channel": Offer("compressed_tensors_fp8", "compressed-tensors float-quantized FP8 E4M3, one weight scale "
                              "per output channel", _FP8_MODES, fmt="ct_fp8_channel",
-                             aliases=("compressed-tensors", "ct_fp8")),
+                             aliases=("compressed-tensors", "ct_fp8"), no_moe=_NO_FP8_A16_MOE),
         "fp8_tensor": Offer("compressed_tensors_fp8_tensor", "compressed-tensors float-quantized FP8 E4M3, one weight "
                             "scale per tensor", _FP8_MODES, name="compressed_tensors_fp8", fmt="ct_fp8_tensor",
-                            aliases=("ct_fp8_tensor",)),
+                            aliases=("ct_fp8_tensor",), no_moe=_NO_FP8_A16_MOE),
         "fp8_block": Offer("compressed_tensors_fp8_block", "compressed-tensors float-quantized FP8 E4M3, fp32 "
                            "weight_scale per 128x128 block (llm-compressor's FP8_BLOCK), dynamic per-token-group "
                            "activations", {"dynamic": "FP8_BLOCK (W8A8, activation scales per token group of 128)"},
