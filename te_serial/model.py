@@ -671,11 +671,8 @@ def choose_weights(model: nn.Module, q: Quantizer, *, include: Sequence[str] = (
                 continue
             if exclude is None and stays_high_precision(name, shape):
                 continue
-            try:
-                if len(shape) == 3 and getattr(module, "is_transposed", False):
-                    raise ShapeError("its experts are stored (in, out) (gpt-oss): a per-expert layout "
-                                     "transposed to TE's (out, in) is not built yet")
-                wq = per_expert(q, shape)
+            try:  # experts stored (in, out) (gpt-oss: transformers' is_transposed) are quantized as (out, in)
+                wq = per_expert(q, shape, transposed=bool(getattr(module, "is_transposed", False)))
                 wq.check_shape(shape)
             except (ShapeError, FormatError) as e:
                 if warn:

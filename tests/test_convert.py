@@ -76,7 +76,7 @@ def _te_source_dict(recipe: str) -> dict:
             out[name] = q(t)
         else:
             out[name] = t
-    out["model.layers.0.experts.w"] = recipe_quantizer(recipe)(randn((2, 64, 128), 9))  # 3-D, kept by default
+    out["model.layers.0.stack.w"] = recipe_quantizer(recipe)(randn((2, 64, 128), 9))  # 3-D, not experts: kept
     return out
 
 

@@ -48,6 +48,7 @@ GOLDENS = {
     "extra_state_enum": (1, 1),
     "grouped_moe": (1, 3), "nvfp4_row_scaled": (1, 3), "nvfp4_4over6": (1, 3),
     "mxfp8_e8m0_edges": (1, 3), "dcp_two_ranks": (1, 3),
+    "grouped_transposed": (1, 4),
 }
 GOLDEN_NAMES = tuple(GOLDENS)
 #: goldens in the directory layout (te_serial.msgpack + shards); the others are single files
@@ -227,7 +228,7 @@ def test_records_match_the_golden_list():
         assert rec.get("layout", "file") == ("directory" if name in DIRECTORY_GOLDENS else "file"), name
         assert rec["file"] == golden(name).name, name
     # every format version so far has golden files
-    assert {v for v in GOLDENS.values()} == {(1, 0), (1, 1), (1, 3)}
+    assert {v for v in GOLDENS.values()} == {(1, 0), (1, 1), (1, 3), (1, 4)}
 
 
 def test_goldens_cover_every_format():

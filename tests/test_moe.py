@@ -47,7 +47,16 @@ def deepseek_v3_config():
         qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1)
 
 
-CONFIGS = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config, "deepseek_v3": deepseek_v3_config}
+def gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+
+
+CONFIGS = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config, "deepseek_v3": deepseek_v3_config,
+           "gpt_oss": gpt_oss_config}
+#: the architectures whose checkpoints name each expert (gpt-oss keeps 3-D names)
+PER_EXPERT = ("qwen3_moe", "mixtral", "deepseek_v3")
 RECIPES = ("mxfp8", "nvfp4", "fp8_current", "fp8_block_1d")
 
 
@@ -65,6 +74,8 @@ def build(arch: str, seed: int = 0, device: str = "cpu"):
                 for i in range(p.shape[0]):
                     p[i].mul_(10.0 ** ((i % 5) - 2))
                 p[1].zero_()
+            elif p.dim() == 1 or name.endswith("bias"):  # biases and norms away from their init
+                p.add_(torch.randn_like(p) * 0.1)
     return model
 
 
@@ -222,7 +233,7 @@ def test_quantize_on_load_of_a_save_pretrained_directory_equals_quantize_model(a
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current"])
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", PER_EXPERT)
 def test_a_converted_per_expert_checkpoint_loads_into_the_3d_experts_exactly(arch, recipe, tmp_path):
     build(arch).save_pretrained(tmp_path / "bf16")
     ts.convert(tmp_path / "bf16", tmp_path / "out", recipe=recipe)
@@ -242,17 +253,27 @@ def test_a_stack_that_would_mix_blocks_is_refused_naming_the_tensor_and_the_rule
         ts.load_into(meta, tmp_path / "out")
 
 
-def test_gpt_oss_experts_stored_in_out_stay_high_precision_with_a_warning():
-    cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ts.quantize_model(model, "mxfp8", columnwise=False)
-    assert not isinstance(model.model.layers[0].mlp.experts.gate_up_proj, QuantizedTensor)
-    assert any("experts.gate_up_proj left unquantized" in str(w.message) and "(in, out)" in str(w.message)
-               for w in caught)
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_block"])
+def test_gpt_oss_experts_stored_in_out_are_quantized_along_their_reduction_dim(recipe, tmp_path):
+    """gpt-oss holds its experts [E, in, out] (``x @ w[i]``): each member is the expert's transpose,
+    quantized as TE's [out, in] weight (blocks along ``in``), in a transposed group (format 1.4)."""
+    stacks = {n: p.detach().clone() for n, p in expert_stacks(build("gpt_oss")).items()}
+    model = ts.quantize_model(build("gpt_oss"), recipe, columnwise=False)
+    params = dict(model.named_parameters())
+    q = recipe_quantizer(recipe, columnwise=False)
+    for name, w in stacks.items():
+        t = params[name]
+        assert isinstance(t, GroupedTensor) and t.quantizer.transposed and t.shape == w.shape
+        assert t.quantizer.member_shapes[0] == (w.shape[2], w.shape[1])
+        for i, member in enumerate(t.members()):
+            alone = q.quantize(w[i].t().contiguous())
+            assert all(same_bytes(b, alone.buffers()[k]) for k, b in member.buffers().items()), (name, i)
+    ts.save_quantized(model, tmp_path / "ck")
+    with ts.open(tmp_path / "ck") as ckpt:
+        assert ckpt.manifest.version == (1, 4)
+    meta = ts.quantize_model(build("gpt_oss", device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "ck")
+    assert_same_model(meta, model)
 
 
 # --- join_rows: the exact inverse of slicing by rows --------------------------------------------
@@ -331,7 +352,7 @@ EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 @pytest.mark.parametrize("recipe,layout", [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"),
                                            ("mxfp8", "modelopt_mxfp8"), ("mxfp8", "compressed_tensors_mxfp8"),
                                            ("fp8_current", "compressed_tensors_fp8_tensor")])
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", PER_EXPERT)
 def test_exports_write_each_expert_under_the_engines_names_and_import_back_exactly(arch, recipe, layout, tmp_path):
     model = ts.quantize_model(build(arch), recipe, columnwise=False)
     ts.save_quantized(model, tmp_path / "te")
@@ -390,3 +411,15 @@ def test_an_export_no_engine_serves_for_experts_is_refused(tmp_path):
     keys, ignored = _export_keys_and_config(tmp_path / "kept")
     assert keys["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
     assert keys["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_gpt_oss_experts_convert_to_bf16_and_are_refused_by_serving_layouts_naming_them(tmp_path):
+    from safetensors.torch import load_file
+    model = ts.quantize_model(build("gpt_oss"), "mxfp8", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    with pytest.raises(ConversionError, match=r"one 3-D tensor.*not written to serving.*experts\.gate_up_proj"):
+        ts.convert(tmp_path / "te", tmp_path / "served", recipe="modelopt_mxfp8")
+    ts.convert(tmp_path / "te", tmp_path / "bf16", recipe="bf16")   # 3-D names kept, as gpt-oss checkpoints do
+    state = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    for name, p in expert_stacks(model).items():
+        assert torch.equal(state[name], p.dequantize())

@@ -145,11 +145,23 @@ def test_the_field_version_table_is_the_code():
     from te_serial.checkpoint.manifest import CHECKSUM_VERSION, CHUNKS_VERSION, GROUPED_VERSION
     from te_serial.formats.protocol import QUANTIZER_REGISTRY
     declared = {(cls.kind, f, v) for cls in set(QUANTIZER_REGISTRY.values()) for f, v in cls.FIELD_VERSIONS.items()}
-    assert declared == {("nvfp4", f, (1, 3)) for f in NVFP4_13}
+    assert declared == {("nvfp4", f, (1, 3)) for f in NVFP4_13} | {("grouped", "transposed", (1, 4))}
     assert (CHECKSUM_VERSION, CHUNKS_VERSION, GROUPED_VERSION) == ((1, 1), (1, 2), (1, 3))
     text = README.read_text(encoding="utf-8")
     row = next(line for line in text.splitlines() if line.startswith("  | `nvfp4` fields"))
     assert all(f"`{f}`" in row for f in NVFP4_13) and "| 1.3 |" in row
+    row = next(line for line in text.splitlines() if line.startswith("  | `grouped` field"))
+    assert "`transposed`" in row and "| 1.4 |" in row
+
+
+def test_a_transposed_group_in_a_1_3_manifest_is_refused_naming_the_field(tmp_path):
+    """gpt-oss's [in, out] expert stacks (format 1.4): the field in a manifest saying 1.3 is refused."""
+    from te_serial.formats.grouped import per_expert
+    q = per_expert(ts.MXFP8Quantizer(columnwise=False), (4, 64, 96), transposed=True)
+    ts.save_quantized({"layers.0.mlp.experts.gate_up_proj": q.quantize(torch.randn(4, 64, 96))}, tmp_path / "ck")
+    reads(tmp_path / "ck")
+    e = refused(rewrite(tmp_path / "ck", tmp_path / "old", _version((1, 3))))
+    assert "transposed" in str(e) and "needs format 1.4" in str(e) and e.field.endswith("/transposed")
 
 
 # --- §8: the order of the first checks -----------------------------------------------------------

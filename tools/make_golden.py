@@ -374,6 +374,20 @@ def case_grouped_moe() -> dict:
     }}}]}}
 
 
+def case_grouped_transposed() -> dict:
+    """gpt-oss-style expert stacks [experts, in, out] (format 1.4's ``transposed`` groups): each member
+    is its expert's transpose, quantized as TE's [out, in] weight; MXFP8 and NVFP4 experts of very
+    different magnitudes, one of them all zero."""
+    from te_serial.formats.grouped import per_expert
+    out = {}
+    for name, q, shape in (("gate_up_proj", ts.MXFP8Quantizer(columnwise=False), (3, 32, 64)),
+                           ("down_proj", ts.NVFP4Quantizer(columnwise=False), (3, 32, 16))):
+        x = torch.stack([make_input(shape[1:], 160 + i, outliers=True) * 10.0 ** (2 * i - 2) for i in range(shape[0])])
+        x[1].zero_()
+        out[name] = per_expert(q, shape, transposed=True).quantize(x)
+    return {"model": {"layers": [{"mlp": {"experts": out}}]}}
+
+
 def case_nvfp4_row_scaled() -> dict:
     """Row-scaled NVFP4 (format 1.3): ``_amax_rowwise`` holds one amax per row; rowwise only. An
     all-zero row (amax 0), a zero tile, a 2^-100 tile and outliers; 3-D fp32; with 4over6 (MSE, 256)."""
@@ -600,6 +614,9 @@ CASES: dict[str, Case] = {
                         "and plain BF16 experts, equal and different member shapes", (1, 3)),
     "mxfp8_e8m0_edges": Case(case_mxfp8_e8m0_edges, "MXFP8 with E8M0 scale bytes 0 (2^-127), 254 and 255 (NaN), "
                              "rowwise and columnwise", (1, 3)),
+    # format 1.4
+    "grouped_transposed": Case(case_grouped_transposed, "grouped tensors of [in, out] expert stacks (gpt-oss), each "
+                               "member stored transposed: MXFP8 and NVFP4", (1, 4)),
     "dcp_two_ranks": Case(case_dcp_two_ranks, "te_serial.dcp.save from 2 processes: chunked tensors (format 1.2) of "
                           "every format, row and column shards, transposed buffers on square and non-square "
                           "tensors, a grouped tensor, row-scaled NVFP4", (1, 3), directory=True, dcp_world=2,

@@ -38,7 +38,7 @@ from . import tree as tree_mod
 from .files import gc_paused
 
 FORMAT = "te-serial"
-VERSION = (1, 3)
+VERSION = (1, 4)
 #: the format version that added the manifest checksum (``manifest_checksum``, schema/README.md §8)
 CHECKSUM_VERSION = (1, 1)
 #: the format version that added chunked tensors (``tensors.chunks``, schema/README.md §13)

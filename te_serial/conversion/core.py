@@ -36,6 +36,7 @@ from .layouts.common import KV_CACHE_SCALES, SIDECAR_NAME, parse_mode, sidecar_e
 from .report import DROPPED, EXACT_CODES, LOSSLESS, LOSSY, ConversionReport, TensorReport
 from .pipeline import run_pipeline
 from ..moe import is_per_expert
+from ..precision import is_expert_weight
 from .sources import (ACT_AMAX_KEY, CONFIG_NAME, INDEX_NAME, GroupedView, Source, SourceTensor, open_source,
                       split_experts)
 from .targets import (FAMILY_LAYOUT, KEEP, Rules, describe_dtype, describe_quantizer, load_rules, target,
@@ -204,6 +205,10 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
         except (ShapeError, FormatError) as e:
             return refuse(str(e))
         return plan_te(st.quantizer, q, dtype, st.dtype), None
+    if is_expert_weight(name, shape):  # 3-D experts the architecture's checkpoints keep whole (gpt-oss)
+        raise ConversionError(f"{t.name}: MoE experts held as one 3-D tensor (shape {list(shape)}; this "
+                              "architecture's checkpoints do not name each expert) are not written to serving "
+                              "layouts yet; convert to a te-serial recipe or to bf16", file=src_file, tensor=name)
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
     rep = LAYOUTS[family].representation(t.scheme)

@@ -141,10 +141,16 @@ class GroupedQuantizer(Quantizer):
     kind: ClassVar[str] = "grouped"
     is_container: ClassVar[bool] = True
     _dtype_fields: ClassVar[tuple[str, ...]] = ("dtype",)
+    #: format 1.4: ``transposed`` (a 1.3 reader still reads every grouped tensor that leaves it false)
+    FIELD_VERSIONS: ClassVar[Mapping[str, tuple[int, int]]] = {"transposed": (1, 4)}
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset(FIELD_VERSIONS)
 
     member: Any = None
     member_shapes: Any = ()
     dtype: Any = None
+    #: the group holds each member transposed: a stack of ``[in, out]`` weights (gpt-oss's experts),
+    #: each member stored and quantized as TE's ``[out, in]`` (blocks along the reduction dim)
+    transposed: bool = False
 
     def __post_init__(self) -> None:
         member = self.member
@@ -173,7 +179,14 @@ class GroupedQuantizer(Quantizer):
         for k, v in usage.items():
             object.__setattr__(self, k, v)
         super().__post_init__()
-        object.__setattr__(self, "_shape", grouped_shape(shapes))
+        shape = grouped_shape(shapes)
+        if self.transposed is not False:
+            if self.transposed is not True:
+                raise FormatError(f"GroupedQuantizer field transposed must be a bool, got {self.transposed!r}")
+            if len(shape) != 3:
+                raise FormatError(f"a transposed group needs members of one 2-D shape, got {list(shapes)[:4]}")
+            shape = (shape[0], shape[2], shape[1])
+        object.__setattr__(self, "_shape", shape)
 
     def _check_fields(self, data: Mapping[str, Any]) -> None:
         """As read from a manifest: ``rowwise`` / ``columnwise`` are the member's (plain members: true /
@@ -186,7 +199,8 @@ class GroupedQuantizer(Quantizer):
     def __repr__(self) -> str:
         shapes = ", ".join(map(str, self.member_shapes[:3])) + (", …" if self.num_tensors > 3 else "")
         inner = repr(self.member) if self.member is not None else f"dtype={dtype_name(self.dtype)}"
-        return f"GroupedQuantizer({inner}, {self.num_tensors} members: {shapes})"
+        t = ", transposed" if self.transposed else ""
+        return f"GroupedQuantizer({inner}, {self.num_tensors} members: {shapes}{t})"
 
     # --- what the group is --------------------------------------------------------------------
     @property
@@ -246,7 +260,8 @@ class GroupedQuantizer(Quantizer):
         raise UnsupportedOperationError("a grouped tensor has no 2-D usage layout; use its members()")
 
     def layout_key(self):
-        return (self.kind, self.member.layout_key() if self.member is not None else self.dtype, self.member_shapes)
+        return (self.kind, self.member.layout_key() if self.member is not None else self.dtype, self.member_shapes,
+                self.transposed)
 
     def layout_name(self):
         inner = self.member.layout_name() if self.member is not None else dtype_name(self.dtype)
@@ -269,8 +284,11 @@ class GroupedQuantizer(Quantizer):
         if (not isinstance(target, GroupedQuantizer) or target.member_shapes != self.member_shapes
                 or self.member is None or target.member is None):
             return None
+        if target.transposed != self.transposed:
+            return None
         out = self.member.exact_output(target.member)
-        return None if out is None else GroupedQuantizer(member=out, member_shapes=self.member_shapes)
+        return None if out is None else GroupedQuantizer(member=out, member_shapes=self.member_shapes,
+                                                         transposed=self.transposed)
 
     def derivable(self, out, usage):
         return self.member is not None and self.member.derivable(out.member, usage)
@@ -289,7 +307,7 @@ class GroupedQuantizer(Quantizer):
         """A recipe for a grouped weight quantizes each member: the same members, each in ``target``."""
         if isinstance(target, GroupedQuantizer):
             return target
-        return GroupedQuantizer(member=target, member_shapes=self.member_shapes)
+        return GroupedQuantizer(member=target, member_shapes=self.member_shapes, transposed=self.transposed)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "rowwise": self.rowwise, "columnwise": self.columnwise,
@@ -297,12 +315,16 @@ class GroupedQuantizer(Quantizer):
                                "member_shapes": [list(s) for s in self.member_shapes]}
         if self.member is None:
             out["dtype"] = dtype_name(self.dtype)
+        if self.transposed:
+            out["transposed"] = True
         return out
 
     # --- values -------------------------------------------------------------------------------
     def split_values(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The members' values in a tensor of the group's shape (views where the layout allows)."""
         shapes = self.member_shapes
+        if self.transposed:
+            return [p.transpose(0, 1) for p in x.unbind(0)]
         if all(s == shapes[0] for s in shapes):
             return list(x.unbind(0))
         firsts, lasts = [s[0] for s in shapes], [s[1] for s in shapes]
@@ -315,6 +337,8 @@ class GroupedQuantizer(Quantizer):
     def join_values(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`split_values`."""
         shapes = self.member_shapes
+        if self.transposed:
+            return torch.stack([p.transpose(0, 1) for p in parts])
         if all(s == shapes[0] for s in shapes):
             return torch.stack(list(parts))
         firsts, lasts = [s[0] for s in shapes], [s[1] for s in shapes]
@@ -329,7 +353,7 @@ class GroupedQuantizer(Quantizer):
         if self.member is None:
             members = [{_PLAIN: p.to(self.dtype)} for p in parts]
         else:
-            members = [self.member.quantize(p, internal=True).buffers() for p in parts]
+            members = [self.member.quantize(p.contiguous(), internal=True).buffers() for p in parts]
         return self.merge_buffers(members)
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
@@ -372,14 +396,17 @@ class GroupedQuantizer(Quantizer):
         return out
 
 
-def per_expert(q: Quantizer, shape: Sequence[int]) -> Quantizer:
+def per_expert(q: Quantizer, shape: Sequence[int], *, transposed: bool = False) -> Quantizer:
     """The quantizer a weight of ``shape`` gets from recipe quantizer ``q``: ``q`` for a 2-D weight;
     for a 3-D expert stack ``[experts, out, in]``, a grouped quantizer of ``experts`` members of
-    ``[out, in]``, each quantized on its own (per-expert scales, as TE's ``GroupedLinear``)."""
+    ``[out, in]``, each quantized on its own (per-expert scales, as TE's ``GroupedLinear``); a stack
+    stored ``[experts, in, out]`` (``transposed``: gpt-oss) gets members ``[out, in]`` all the same,
+    its blocks along the reduction dim."""
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or isinstance(q, GroupedQuantizer):
         return q
-    return GroupedQuantizer(member=q, member_shapes=[shape[1:]] * shape[0])
+    member = (shape[2], shape[1]) if transposed else shape[1:]
+    return GroupedQuantizer(member=q, member_shapes=[member] * shape[0], transposed=transposed)
 
 
 class GroupedTensorStorage(QuantizedTensorStorage):
@@ -451,7 +478,9 @@ def _stacked(t: GroupedTensor) -> bool:
 
 
 def _member_values(t: GroupedTensor, i: int) -> torch.Tensor:
-    return t.members()[i].dequantize() if t.quantizer.member is not None else t.members()[i].to(t.dtype)
+    m = t.members()[i]
+    v = m.dequantize() if t.quantizer.member is not None else m.to(t.dtype)
+    return v.transpose(0, 1) if t.quantizer.transposed else v
 
 
 def _select(t: GroupedTensor, dim: int, index: int) -> torch.Tensor | None:
@@ -513,13 +542,15 @@ def split_name(name: str) -> tuple[str, int] | None:
 
 
 def plan_split(protos: Mapping[str, Any]) -> dict[str, tuple[str, int | None]]:
-    """Output name → (source name, member index or None) when every grouped tensor is split into its
-    experts (``protos``: name → TensorProto, in order; others pass through)."""
+    """Output name → (source name, member index or None) when every grouped tensor named
+    ``<p>.experts.<proj>.<leaf>`` is split into its experts (``protos``: name → TensorProto, in order;
+    others pass through, transformers 5's 3-D ``experts.gate_up_proj`` among them: ``te_serial.moe``
+    names those)."""
     out: dict[str, tuple[str, int | None]] = {}
     for name, p in protos.items():
         q = getattr(p, "quantizer", None)
-        names = ([(expert_name(name, i), (name, i)) for i in range(q.num_tensors)]
-                 if isinstance(q, GroupedQuantizer) else [(name, (name, None))])
+        split = isinstance(q, GroupedQuantizer) and _GROUPED.fullmatch(name) is not None
+        names = [(expert_name(name, i), (name, i)) for i in range(q.num_tensors)] if split else [(name, (name, None))]
         for new, src in names:
             if new in out:
                 raise FormatError(f"splitting grouped tensors gives the name {new!r} twice")
