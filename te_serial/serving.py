@@ -56,7 +56,7 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
         if spec is None:
             raise ConversionError(f"{layout!r} is not a serving layout; export_tensors writes the layouts engines "
                                   "load (modelopt_*, compressed_tensors_*, deepseek_fp8)", field="layout")
-        for note in _share_fused_scales(src, plans, fused, spec):
+        for note in _share_fused_scales(src, plans, fused, spec, measure=False):  # no report to give figures in
             if "requantized" in note:
                 warnings.warn(f"te-serial: {note}", stacklevel=2)
         shared: dict[str, dict[str, torch.Tensor]] = {}

@@ -12,6 +12,7 @@ guard that never writes an NVFP4 group with unequal scales."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -291,6 +292,11 @@ def test_te_checkpoint_fp8_members_keep_their_bytes_and_the_engines_requantizati
     assert any("own tensor scales" in n and "q_proj+k_proj+v_proj ×1" in n and "requantize" in n for n in rep.notes)
     assert any(n.startswith(f"NOT lossless through {route}: 3 weights") for n in rep.notes), rep.notes
     assert not [n for n in rep.notes if n.startswith("WARNING")]
+    with warnings.catch_warnings():  # export_tensors hands an engine the same bytes, without a warning
+        warnings.simplefilter("error")
+        streamed = dict(ts.export_tensors(tmp_path / "te", layout, activation_amax=acts))
+    assert set(streamed) == set(out)
+    assert all(torch.equal(streamed[k].reshape(-1).view(torch.uint8), out[k].reshape(-1).view(torch.uint8)) for k in out)
 
 
 def test_fused_off_warns_that_engines_serve_wrong_values(tmp_path):

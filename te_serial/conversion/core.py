@@ -753,16 +753,18 @@ def _source_notes(source: Source, spec: ExportSpec | None, family: str, tensors:
     return notes
 
 
-def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None) -> list[str]:
+def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None,
+                        measure: bool = True) -> list[str]:
     """Give each fused group one tensor amax (:mod:`.fused_scales`), rewriting its members' steps;
-    the report's notes. Reads each member once before the conversion proper."""
+    the report's notes. Reads each member once before the conversion proper (``measure``: and a
+    copied member that keeps its own scale once more, for its report's route)."""
     groups = groups_for(architecture_of(source.config), fused)
     if not groups:
         return []
     by_name = {p.name: p for p in plans if p.alias_of is None and p.step is not None}
     changed, notes = share_fused_amax(lambda n: _guarded(source, by_name[n], lambda: source.load(n)),
                                       {n: p.step for n, p in by_name.items()}, groups, rule=fused,
-                                      reexpress=spec is not None)
+                                      reexpress=spec is not None, measure=measure)
     for name, step in changed.items():
         by_name[name].step = step
     return notes

@@ -68,15 +68,16 @@ ENGINE_REQUANTIZE_ROUTE = "vLLM / SGLang fused GEMMs (they requantize a fused gr
 
 
 def share_fused_amax(load: Callable[[str], torch.Tensor], steps: Mapping[str, Step | None],
-                     groups: Sequence[Sequence[str]], *, rule="auto", reexpress: bool
+                     groups: Sequence[Sequence[str]], *, rule="auto", reexpress: bool, measure: bool = True
                      ) -> tuple[dict[str, Step], list[str]]:
     """The steps of fused-group members rewritten to quantize with the group's one amax, and a note
     per group that changed. ``load(name)`` reads a source tensor (each member once, here, and a
     copied member that keeps its own scale once more); ``steps``: tensor name → its planned step
     (None: not converted); ``rule``: ``fused=``. ``reexpress``: members copied exactly whose scale
     differs from the group's go to an export engines read: requantized with the group's amax where
-    :func:`~te_serial.fusion.requantizes_copies`, else kept with the engines' requantization
-    reported; without it they are left as they are."""
+    :func:`~te_serial.fusion.requantizes_copies`, else kept, with how far the engines'
+    requantization moves them as a route of their report (``measure``: computed, which reads them
+    again); without it they are left as they are."""
     shared = {n: s for n, s in steps.items() if s is not None and s.out_q is not None and s.out_q.takes_tensor_amax()}
     out: dict[str, Step] = {}
     notes: list[str] = []
@@ -122,8 +123,9 @@ def share_fused_amax(load: Callable[[str], torch.Tensor], steps: Mapping[str, St
                 if keeps or not reexpress:
                     continue
                 if not requantizes_copies(q, rule):  # the engine requantizes it at load: said per tensor
-                    change = _requantized_change(load(m), q, group_amax)
-                    out[m] = dataclasses.replace(step, routes={**step.routes, ENGINE_REQUANTIZE_ROUTE: change})
+                    if measure:
+                        change = _requantized_change(load(m), q, group_amax)
+                        out[m] = dataclasses.replace(step, routes={**step.routes, ENGINE_REQUANTIZE_ROUTE: change})
                     keeps_own = True
                     continue
                 out[m] = Step("requantize", step.out_q, step.out_dtype, builder="quantize",
