@@ -9,6 +9,7 @@ import sys
 from typing import Any, TextIO
 
 from .errors import TeSerialError
+from .fusion import FUSED_MODES
 
 EPILOG = """\
 examples:
@@ -50,7 +51,9 @@ source's config.json / generation_config.json / tokenizer files copied, te_seria
 NVFP4 exports keep TE's codes and block scales byte for byte; the layout's reader applies the
 global scale with its own formula, so values can land a few fp32 ulp away: the report labels
 them "exact codes" with the measured bound. Every other exact path is "lossless". Weights an
-engine fuses into one GEMM (q/k/v, gate/up, ...) share one tensor scale (--fused).
+engine fuses into one GEMM (q/k/v, gate/up, ...) are quantized with one shared tensor scale;
+copied per-tensor FP8 weights keep their own, which engines requantize to the group's largest at
+load (--fused).
 
 examples:
   te-serial convert model/ out/ --recipe mxfp8
@@ -104,9 +107,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         "weight_only (= none), dynamic, static (W8A8 / W4A4 from recorded amax)")
     c.add_argument("--activation-amax", metavar="FILE",
                    help="JSON {module: amax of its input} from a calibration pass (te_serial.conversion.ActivationAmax)")
-    c.add_argument("--fused", default="auto", choices=("auto", "off"),
-                   help="auto: weights an engine fuses (q/k/v, gate/up, ...) share one tensor scale; off: each "
-                        "its own (engines then serve wrong values where they differ; the report warns)")
+    c.add_argument("--fused", default="auto", choices=FUSED_MODES,
+                   help="auto: weights an engine fuses (q/k/v, gate/up, ...) are quantized with one shared tensor "
+                        "scale, and copied NVFP4 weights are requantized to it; copied per-tensor FP8 weights keep "
+                        "their own (engines requantize them to the group's largest at load); shared: those too; "
+                        "off: each its own (engines then serve NVFP4 groups with wrong values; the report warns)")
     c.add_argument("--stats", default="full", choices=("full", "sample", "none"),
                    help="error figures of requantized tensors: every element (full), evenly spread row blocks, "
                         "about 1/16 of the rows (sample), or none; lossless paths are verified in full in every mode")

@@ -460,7 +460,7 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
         if device.type != "meta":  # quantized on the way in: one amax per fused group (reads its members)
             groups = fusion.groups_for(fusion.architecture_of(_hf_config(model) or source.config), fused)
-            changed, notes = share_fused_amax(source.load, steps, groups, reexpress=False)
+            changed, notes = share_fused_amax(source.load, steps, groups, rule=fused, reexpress=False)
             steps.update(changed)
             rep.notes.extend(notes)
         loaded, reports = _read_steps(source, slots, steps, sliced, device, verify, path)

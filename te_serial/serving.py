@@ -3,8 +3,8 @@
 An RL trainer syncs its policy into vLLM (``model.load_weights(weights)``) or SGLang
 (``update_weights_from_tensor``) every few steps. ``export_tensors`` yields exactly what
 ``convert(..., recipe=layout)`` writes into the files — the engine's tensor names and layout,
-fused groups (q/k/v, gate/up) sharing one tensor scale — one tensor at a time, from a model in
-memory or any checkpoint te-serial reads. A file export is this stream with a sink.
+fused groups (q/k/v, gate/up) quantized with one tensor scale — one tensor at a time, from a model
+in memory or any checkpoint te-serial reads. A file export is this stream with a sink.
 
 >>> import te_serial as ts
 >>> for name, t in ts.export_tensors(model, layout="modelopt_nvfp4"):     # doctest: +SKIP
@@ -43,8 +43,9 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
     a state dict, or a checkpoint path. Each tensor is converted when it is asked for, so memory
     holds one tensor's outputs at a time; ``bucket_bytes`` yields lists of pairs of up to that many
     bytes instead (what ``update_weights_from_tensor`` takes), one list per tensor larger than it.
-    Members of a fused group with unequal scales are requantized with the group's (a warning
-    says which); the values are never checked against the source here (``convert`` does that).
+    NVFP4 members of a fused group copied with unequal scales (per-tensor FP8 ones too with
+    ``fused="shared"``) are requantized with the group's (a warning says which); the values are
+    never checked against the source here (``convert`` does that).
     """
     source = ModuleSource(model_or_ckpt) if isinstance(model_or_ckpt, (torch.nn.Module, Mapping)) \
         else open_source(model_or_ckpt, dtype=dtype)
@@ -55,7 +56,7 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
         if spec is None:
             raise ConversionError(f"{layout!r} is not a serving layout; export_tensors writes the layouts engines "
                                   "load (modelopt_*, compressed_tensors_*, deepseek_fp8)", field="layout")
-        for note in _share_fused_scales(src, plans, fused, spec):
+        for note in _share_fused_scales(src, plans, fused, spec, measure=False):  # no report to give figures in
             if "requantized" in note:
                 warnings.warn(f"te-serial: {note}", stacklevel=2)
         shared: dict[str, dict[str, torch.Tensor]] = {}
@@ -67,7 +68,7 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
             blobs = _export(family, plan.name, out, spec)
             del t, out
             if plan.name in spec.schemes:  # never hand an engine a fused group with unequal scales
-                keys = spec.layout.shared_scale_keys(spec.scheme_of(plan.name))
+                keys = spec.shared_scale_keys(plan.name, plan.step.out_q)
                 shared[plan.name] = {k: blobs[prefix(plan.name) + k] for k in keys if prefix(plan.name) + k in blobs}
                 for note in _check_fused_scales(spec, shared, only=plan.name):
                     warnings.warn(f"te-serial: {note}", stacklevel=2)

@@ -1,15 +1,18 @@
 """Fused groups share one tensor scale (te_serial.fusion, conversion/fused_scales.py).
 
-Serving engines fuse q/k/v and gate/up into one GEMM and apply ONE tensor-wide scale (NVFP4's
-global scale, per-tensor FP8's scale): members quantized with their own amax are served wrong.
-Here: ``quantize(x, tensor_amax=a)`` against the independent oracle written from TE's formulas,
-the fusion table, ``quantize_model`` / ``load_into`` / ``convert`` giving each group one amax,
-re-expressing a TE checkpoint's unequal members on export (honestly labelled), and the guard
-that never writes a fused group with unequal scales."""
+Serving engines fuse q/k/v and gate/up into one GEMM and apply ONE tensor-wide scale: NVFP4's
+global scale as they find it (members with their own are served wrong), per-tensor FP8's after
+requantizing the members to the largest. Here: ``quantize(x, tensor_amax=a)`` against the
+independent oracle written from TE's formulas, the fusion table and its rule, ``quantize_model``
+/ ``load_into`` / ``convert`` giving each group one amax, re-expressing a TE checkpoint's unequal
+NVFP4 members on export (honestly labelled), FP8 members copied with their own scales (the
+engines' requantization reported per tensor; ``fused="shared"`` re-expresses them too), and the
+guard that never writes an NVFP4 group with unequal scales."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from safetensors.torch import load_file
 import te_serial as ts
 from te_serial import fusion
 from te_serial.conversion import convert
+from te_serial.conversion.fused_scales import ENGINE_REQUANTIZE_ROUTE
 from te_serial.errors import ConversionError, FormatError
 from te_serial.formats import fused
 from te_serial.recipes import recipe_quantizer
@@ -90,6 +94,23 @@ def test_fused_groups_by_architecture_and_user_rule():
     for bad in ("sometimes", [["q_proj"]], [["a.b", "c"]], [["x", "x"]]):
         with pytest.raises(ConversionError, match="fused"):
             fusion.groups_for(None, bad)
+
+
+def test_which_copies_an_export_requantizes_to_the_groups_scale():
+    """The one rule (``Quantizer.shares_fused_scale``, through ``fusion.requantizes_copies``): NVFP4
+    members copied with their own global scale are requantized to the group's by default; per-tensor
+    FP8 ones only with "shared" (engines requantize them at load); none with "off"; formats without
+    a tensor-wide scale never."""
+    nv, f8 = ts.NVFP4Quantizer(), ts.Float8CurrentScalingQuantizer(E4M3)
+    row_scaled = ts.NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False)
+    assert nv.shares_fused_scale() and not f8.shares_fused_scale() and not row_scaled.shares_fused_scale()
+    rules = ("auto", "shared", "off", None, [["wq", "wk", "wv"]])
+    assert [fusion.requantizes_copies(nv, r) for r in rules] == [True, True, False, False, True]
+    assert [fusion.requantizes_copies(f8, r) for r in rules] == [False, True, False, False, False]
+    for q in (row_scaled, ts.MXFP8Quantizer(E4M3), ts.Float8Quantizer(1.0, 0.0, E4M3)):
+        assert not fusion.requantizes_copies(q, "shared") and not fusion.checks_scale(q, "off")
+    # an export checks NVFP4 groups even with "off" (to warn), FP8 groups only where it requantizes copies
+    assert fusion.checks_scale(nv, "off") and not fusion.checks_scale(f8, "auto") and fusion.checks_scale(f8, "shared")
 
 
 # --- quantize_model, load_into, convert -----------------------------------------------------------
@@ -200,12 +221,14 @@ def _amax_giving_scale_inv(scale_inv: float) -> float:
                                            ("fp8_current", "modelopt_fp8"),
                                            ("fp8_current", "compressed_tensors_fp8_tensor")])
 def test_te_checkpoint_with_unequal_members_is_reexpressed_on_export(recipe, layout, tmp_path):
-    """A TE-trained checkpoint's q/k/v carry their own scales: the export keeps the bytes of the
-    member whose scale is the group's (the largest), requantizes the others with the amax that
-    gives that scale, labels them lossy with figures, and writes the values of that requantization
-    (checked against the oracle); te-serial itself keeps its bytes."""
+    """A TE-trained checkpoint's q/k/v carry their own scales: NVFP4 by default, per-tensor FP8 with
+    fused="shared", the export keeps the bytes of the member whose scale is the group's (the
+    largest), requantizes the others with the amax that gives that scale, labels them lossy with
+    figures, and writes the values of that requantization (checked against the oracle); te-serial
+    itself keeps its bytes."""
     sd = _te_checkpoint(tmp_path, recipe)
-    rep = convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax={n: 4.0 for n in LINEARS})
+    rep = convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax={n: 4.0 for n in LINEARS},
+                  fused="auto" if recipe == "nvfp4" else "shared")
     by = {t.name: t for t in rep.tensors}
     convert(tmp_path / "out", tmp_path / "back")
     back = ts.load_quantized(tmp_path / "back")
@@ -236,6 +259,44 @@ def test_te_checkpoint_with_unequal_members_is_reexpressed_on_export(recipe, lay
                 assert torch.equal(got.buffers()["_scale_inv"], want["_scale_inv"]), n
                 assert torch.equal(got.buffers()["_data"].view(torch.uint8), want["_data"].view(torch.uint8)), n
     assert any("requantized to the group's shared amax" in note for note in rep.notes)
+
+
+@pytest.mark.parametrize("layout", ["modelopt_fp8", "compressed_tensors_fp8_tensor"])
+def test_te_checkpoint_fp8_members_keep_their_bytes_and_the_engines_requantization_is_reported(layout, tmp_path):
+    """Per-tensor FP8 by default: every member of a fused group is copied with its own scale,
+    lossless; the report says that engines requantize a fused group to its largest scale at load,
+    and gives per member how far that moves its values: exactly how far fused="shared" moves them
+    (te-serial's requantization), zero for the member whose scale is the group's."""
+    sd = _te_checkpoint(tmp_path, "fp8_current")
+    acts = {n: 4.0 for n in LINEARS}
+    rep = convert(tmp_path / "te", tmp_path / "own", recipe=layout, activation_amax=acts)
+    convert(tmp_path / "te", tmp_path / "shared", recipe=layout, activation_amax=acts, fused="shared")
+    out = load_file(str(tmp_path / "own" / "model.safetensors"))
+    shared = load_file(str(tmp_path / "shared" / "model.safetensors"))
+    route = ENGINE_REQUANTIZE_ROUTE
+    for group in ((Q, K, V), (GATE, UP)):
+        top = max(group, key=lambda n: float(sd[f"{n}.weight"].buffers()["_scale_inv"]))
+        for n in group:
+            r = rep[f"{n}.weight"]
+            assert (r.method, r.label) == ("copy", "lossless"), r
+            src = sd[f"{n}.weight"].buffers()
+            assert torch.equal(out[f"{n}.weight"].view(torch.uint8), src["_data"].view(torch.uint8)), n
+            assert torch.equal(out[f"{n}.weight_scale"].float().reshape(()), src["_scale_inv"].reshape(())), n
+            own_vals = out[f"{n}.weight"].float() * out[f"{n}.weight_scale"].float()
+            shared_vals = shared[f"{n}.weight"].float() * shared[f"{n}.weight_scale"].float()
+            if n == top:
+                assert route not in r.routes and torch.equal(own_vals, shared_vals), n
+            else:
+                assert r.routes[route] == float((own_vals - shared_vals).abs().max()) > 0, (n, r.routes)
+        assert len({float(out[f"{n}.weight_scale"].float()) for n in group}) == len(group)
+    assert any("own tensor scales" in n and "q_proj+k_proj+v_proj ×1" in n and "requantize" in n for n in rep.notes)
+    assert any(n.startswith(f"NOT lossless through {route}: 3 weights") for n in rep.notes), rep.notes
+    assert not [n for n in rep.notes if n.startswith("WARNING")]
+    with warnings.catch_warnings():  # export_tensors hands an engine the same bytes, without a warning
+        warnings.simplefilter("error")
+        streamed = dict(ts.export_tensors(tmp_path / "te", layout, activation_amax=acts))
+    assert set(streamed) == set(out)
+    assert all(torch.equal(streamed[k].reshape(-1).view(torch.uint8), out[k].reshape(-1).view(torch.uint8)) for k in out)
 
 
 def test_fused_off_warns_that_engines_serve_wrong_values(tmp_path):

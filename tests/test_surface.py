@@ -50,3 +50,26 @@ def test_the_public_modules_are_the_ones_the_readme_lists():
     from te_serial import errors
     classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
     assert all(issubclass(c, errors.TeSerialError) for c in classes)  # one hierarchy
+
+
+def test_the_readme_commands_and_ci_runs_them_as_written():
+    """The README's first command installs te-serial alone (torch pinned by constraints.txt) and runs
+    the demo, no serving engine; the second installs the test extra and the consumer tests' engines
+    and runs the tests; ``.ci/run`` runs exactly these two lines, in that order."""
+    import re
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    block = re.search(r"```bash\n(.*?)```", (root / "README.md").read_text(encoding="utf-8"), re.S).group(1)
+    first, second = [line for line in block.splitlines() if line.strip()]
+    steps = [s.strip() for s in first.split("&&")]
+    assert steps[0] == "pip install -c constraints.txt torch==2.13.0" and steps[-1] == "te-serial demo", steps
+    assert all(s.startswith("pip install -c constraints.txt") for s in steps[:-1]), steps
+    assert not any(word in first for word in ("[test]", "consumers", "vllm", "sglang")), first
+    steps = [s.strip() for s in second.split("&&")]
+    assert steps == ['pip install -c constraints.txt -e ".[test]"',
+                     "pip install --no-deps -c constraints.txt -r tests/consumers/requirements.txt",
+                     "python -m pytest -q"], steps
+    assert "torch==2.13.0" in (root / "constraints.txt").read_text(encoding="utf-8").split()
+    ci = subprocess.run([str(root / ".ci" / "run"), "--dry-run"], capture_output=True, text=True, check=True)
+    assert ci.stdout.splitlines() == [first, second], ci.stdout

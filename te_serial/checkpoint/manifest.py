@@ -506,6 +506,14 @@ def _small_ints(rows: list[list]) -> bytes | None:
         return None
 
 
+def _user(cols: dict, proto: int) -> str | None:
+    """The first tensor whose prototype is ``proto`` (what an error about the prototype names)."""
+    try:
+        return cols["names"][cols["protos"].index(proto)]
+    except (ValueError, IndexError):
+        return None
+
+
 def _buffer_like_names(names: list[str], buffer_names: frozenset[str]) -> list[int]:
     """Indices of the names ``<prefix>.<suffix>`` whose suffix starts with ``_`` or is a buffer
     name: one regular-expression pass over the joined names (a name holding a newline, which
@@ -578,7 +586,7 @@ class _Decoder:
                     self.fail(str(e), field=f"quantizers/{i}")
                 quantizers.append(None)
                 bad_quantizers[i] = str(e)
-        protos, bad_protos = self.protos(doc["protos"], quantizers, bad_quantizers)
+        protos, bad_protos = self.protos(doc["protos"], quantizers, bad_quantizers, doc["tensors"])
         cols = doc["tensors"]
         names, proto_index, file_index = cols["names"], cols["protos"], cols["files"]
         checksum_column = cols.get("checksums")
@@ -769,23 +777,35 @@ class _Decoder:
                 self.fail("holds a number that is not an integer", field="tensors/chunks",
                           tensor=cols["names"][i] if i < len(cols["names"]) else None)
 
-    def protos(self, raw: list, quantizers: list, bad_quantizers: dict) -> tuple[list, dict]:
+    def protos(self, raw: list, quantizers: list, bad_quantizers: dict, cols: dict) -> tuple[list, dict]:
+        """Every prototype, checked against the checkpoint's size and its declared buffers. A
+        non-strict read skips (None, and the reason in the second value) only a prototype whose
+        quantizer this te-serial cannot rebuild (a kind or field of a newer version, schema/README.md
+        §10); any other flaw is refused whatever ``strict`` says, naming the first tensor that uses
+        the prototype (``cols``: the tensor columns) and the field."""
         protos: list[TensorProto | None] = []
         bad: dict[int, str] = {}
         for i, d in enumerate(raw):
             where = f"protos/{i}"
+            if self.file_bytes is not None:  # the declared buffers, before anything is built from them
+                for j, b in enumerate(d["buffers"]):
+                    try:
+                        itemsize = dtype_from_name(b["dtype"]).itemsize
+                    except TeSerialError as e:
+                        self.fail(str(e), tensor=_user(cols, i), field=f"{where}/buffers/{j}/dtype")
+                    if math.prod(b["shape"]) * itemsize > self.file_bytes:
+                        self.fail(f"buffer {b['name']} of shape {list(b['shape'])} needs more bytes than the "
+                                  f"checkpoint's files hold ({self.file_bytes})", tensor=_user(cols, i),
+                                  field=f"{where}/buffers/{j}/shape")
+            q_idx = d["quantizer"]
+            if q_idx in bad_quantizers:  # a quantizer from a newer te-serial (strict reads failed at it)
+                protos.append(None)
+                bad[i] = bad_quantizers[q_idx]
+                continue
             try:
-                q_idx = d["quantizer"]
                 if q_idx is not None and q_idx >= len(quantizers):
                     raise ManifestError(f"quantizer index {q_idx} out of range")
-                if q_idx in bad_quantizers:
-                    raise ManifestError(bad_quantizers[q_idx])
                 q = quantizers[q_idx] if q_idx is not None else None
-                if self.file_bytes is not None:  # the declared buffers, before anything is built from them
-                    for b in d["buffers"]:
-                        if math.prod(b["shape"]) * dtype_from_name(b["dtype"]).itemsize > self.file_bytes:
-                            raise ManifestError(f"buffer {b['name']} of shape {list(b['shape'])} needs more bytes "
-                                                f"than the checkpoint's files hold ({self.file_bytes})")
                 proto = TensorProto(tuple(d["shape"]), dtype_from_name(d["dtype"]), q, d["requires_grad"])
                 storage = d.get("storage")
                 if storage is not None:
@@ -808,10 +828,7 @@ class _Decoder:
                         + ", ".join(f"{b}:{dtype_name(dt)}{list(s)}" for b, s, dt in expect))
                 protos.append(proto)
             except TeSerialError as e:
-                if self.strict:
-                    self.fail(str(e), field=where)
-                protos.append(None)
-                bad[i] = str(e)
+                self.fail(str(e), field=where, tensor=_user(cols, i))
         return protos, bad
 
     def check_field_versions(self, doc: dict, *, has_trailer: bool) -> None:

@@ -585,9 +585,18 @@ def load_quantized(path: str | os.PathLike, *, device: str | torch.device = "cpu
         return ckpt.load(device=device, verify=verify, as_te=as_te)
 
 
-def read_protos(path: str | os.PathLike) -> dict[str, TensorProto]:
-    """name → TensorProto, reading only the manifest (no buffer is touched)."""
-    return dict(Checkpoint(path).protos)
+def read_protos(path: str | os.PathLike, *, verify: bool = False) -> dict[str, TensorProto]:
+    """name → TensorProto, reading only the manifest (no buffer is touched).
+
+    The manifest is validated as ``open`` validates it, which keeps the per-buffer checksums column
+    as bytes and checks it at the first read of a tensor (open speed: schema/README.md §8).
+    ``verify=True`` checks that column here too (its schema rule, a checksum per stored buffer), so
+    every flaw of the manifest is found without reading a buffer; ``te_serial.verify`` also checks
+    the buffers' bytes against it."""
+    with Checkpoint(path) as ckpt:
+        if verify:
+            ckpt.manifest.checksums  # noqa: B018 - decoded and checked on first use
+        return dict(ckpt.protos)
 
 
 def verify(path: str | os.PathLike) -> int:

@@ -518,8 +518,9 @@ def rebuild_tree(tree: Any, tensors: dict[str, Any], *, budget: Any = None, miss
     made from the bytes of ``tensors``. A name absent from ``tensors`` (skipped by a non-strict
     load) is dropped from its dict and becomes ``None`` in a list or tuple; an extra state that
     refers to one is left out (``None`` in a list) as a whole; such names are appended to
-    ``missing`` when given. Extra-state tensors may be on any device; on ``meta`` the
-    ``_extra_state`` comes back as a meta uint8 tensor. Without Transformer Engine (or with one
+    ``missing`` when given. Extra-state tensors may be on any device but ``meta``, which has no
+    bytes to encode (an :class:`~te_serial.errors.UnsupportedValueError`; the reader loads them on
+    CPU whatever the target device). Without Transformer Engine (or with one
     that lacks a class the state names) an extra state is returned decoded, with a warning.
     Every failure is a :class:`~te_serial.errors.CheckpointError` naming ``file``.
     """

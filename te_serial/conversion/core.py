@@ -27,7 +27,7 @@ from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, wit
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
 from ..formats.tensors import QuantizedTensorStorage
-from ..fusion import architecture_of, fused_groups, groups_for
+from ..fusion import architecture_of, checks_scale, fused_groups, groups_for
 from ..proto import TensorProto
 from .fused_scales import share_fused_amax
 from .layouts import FAMILIES as LAYOUTS
@@ -62,8 +62,8 @@ class ExportSpec:
     activation_amax: Mapping[str, float]
     note: str = ""
     dropped: tuple[str, ...] = ()       # TE module-state tensors left out of the export
-    fused: tuple[tuple[str, ...], ...] = ()   # weights an engine fuses (te_serial.fusion), which share scales
-    fused_enforced: bool = True         # False (fused="off"): unequal shared scales are reported, not refused
+    fused: tuple[tuple[str, ...], ...] = ()   # weights an engine fuses (te_serial.fusion)
+    fused_rule: Any = "auto"            # convert's fused= (te_serial.fusion.FUSED_MODES, or groups)
     kv_cache: bool = False              # FP8 KV-cache scales written (KV_CACHE_SCALES): the config states them
 
     @property
@@ -79,6 +79,18 @@ class ExportSpec:
     @property
     def mixed(self) -> bool:
         return len(self.modes) > 1
+
+    @property
+    def fused_enforced(self) -> bool:
+        """Is a fused group written with unequal scales that must be equal refused (else, with
+        ``fused="off"``, reported)?"""
+        return self.fused_rule not in (None, "off")
+
+    def shared_scale_keys(self, name: str, q) -> tuple[str, ...]:
+        """The key suffixes of weight ``name`` (written by quantizer ``q``) that must be equal across its
+        fused group: the static input scales, and the weight's tensor scale where the export makes it
+        one per group or engines need it so (:func:`te_serial.fusion.checks_scale`)."""
+        return self.layout.shared_scale_keys(self.scheme_of(name), weight=checks_scale(q, self.fused_rule))
 
     @property
     def name(self) -> str:
@@ -337,8 +349,7 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
                 acts.update({module_of(m): max(given) for m in members})
         spec = ExportSpec(family, scheme_of, modes,
                           {module_of(n): acts[module_of(n)] for n in scheme_of if module_of(n) in acts},
-                          "; ".join(notes), tuple(sorted(module_state)), tuple(groups),
-                          fused not in (None, "off"),
+                          "; ".join(notes), tuple(sorted(module_state)), tuple(groups), fused,
                           any(n.endswith(KV_CACHE_SCALES) and st.quantizer is None for n, st in source.tensors.items()))
     plans: list[TensorPlan] = []
     by_name: dict[str, TensorPlan] = {}
@@ -412,7 +423,7 @@ class _Output:
             raise ConversionError(f"output buffers {sorted(blobs)} differ from the plan "
                                   f"{sorted(k for k, _, _ in plan.keys)}", tensor=plan.name)
         if plan.export is not None and plan.name in plan.export.schemes:
-            keys = plan.export.layout.shared_scale_keys(plan.export.scheme_of(plan.name))
+            keys = plan.export.shared_scale_keys(plan.name, plan.step.out_q)
             self.shared[plan.name] = {k: blobs[prefix(plan.name) + k].clone() for k in keys if prefix(plan.name) + k in blobs}
         for key, t in blobs.items():
             self.files.write(key, t)
@@ -587,12 +598,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     ``<p>.experts.<i>.<proj>.weight``, or per-expert tensors are ``"merge"``-d into grouped ones;
     exact either way. Default: keep for te-serial outputs, split for Hugging Face and serving layouts.
     ``fused``: the weights a serving engine fuses into one GEMM (q/k/v, gate/up, …: the table in
-    :mod:`te_serial.fusion`, by ``config.json``'s architecture) get one shared tensor scale where
-    the target's is tensor-wide (NVFP4's global scale, per-tensor FP8): quantized with the group's
-    largest amax, and into a serving layout a member copied exactly whose scale differs is
-    requantized with it (the report says per tensor). A serving export never holds a fused group
-    with unequal scales; ``"off"`` writes each weight's own and the report warns that engines will
-    serve wrong values; or give your own groups of module names (``[["wq", "wk", "wv"]]``).
+    :mod:`te_serial.fusion`, by ``config.json``'s architecture) are quantized with one shared tensor
+    amax where the target's scale is tensor-wide (NVFP4's global scale, per-tensor FP8): the
+    group's largest, so the engine's one scale is every member's. A member copied exactly whose
+    scale is not the group's, into a serving layout: NVFP4 (whose global scale engines apply as
+    they find it) is requantized with the shared amax, and the report says so per tensor, so such
+    an export never holds an NVFP4 group with unequal scales; per-tensor FP8 keeps its bytes, as
+    ModelOpt and llm-compressor write them (engines requantize a fused group to its largest scale
+    at load), and the report gives per tensor how far that requantization moves its values.
+    ``"shared"`` requantizes FP8 copies here too; ``"off"`` shares nothing and the report warns
+    that engines will serve NVFP4 groups with wrong values; or give your own groups of module
+    names (``[["wq", "wk", "wv"]]``).
     ``device``: where tensors are quantized (``"cuda"`` / ``"cpu"``; default CUDA when available);
     reading, converting and writing overlap (a three-stage pipeline) either way.
     """
@@ -748,15 +764,18 @@ def _source_notes(source: Source, spec: ExportSpec | None, family: str, tensors:
     return notes
 
 
-def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None) -> list[str]:
+def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None,
+                        measure: bool = True) -> list[str]:
     """Give each fused group one tensor amax (:mod:`.fused_scales`), rewriting its members' steps;
-    the report's notes. Reads each member once before the conversion proper."""
+    the report's notes. Reads each member once before the conversion proper (``measure``: and a
+    copied member that keeps its own scale once more, for its report's route)."""
     groups = groups_for(architecture_of(source.config), fused)
     if not groups:
         return []
     by_name = {p.name: p for p in plans if p.alias_of is None and p.step is not None}
     changed, notes = share_fused_amax(lambda n: _guarded(source, by_name[n], lambda: source.load(n)),
-                                      {n: p.step for n, p in by_name.items()}, groups, reexpress=spec is not None)
+                                      {n: p.step for n, p in by_name.items()}, groups, rule=fused,
+                                      reexpress=spec is not None, measure=measure)
     for name, step in changed.items():
         by_name[name].step = step
     return notes
@@ -788,13 +807,15 @@ def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torc
 
 
 def _route_notes(tensors: Sequence[TensorReport]) -> list[str]:
-    """One line per consumer route that reads some tensors with rounded scales: how many, how far."""
+    """One line per consumer route that reads some tensors as other values (rounded scales, an
+    engine's requantization): how many, how far."""
     worst: dict[str, list[float]] = {}
     for t in tensors:
         for route, err in t.routes.items():
             worst.setdefault(route, []).append(err)
-    return [f"NOT lossless through {route}: {len(errs)} weights' scales are not exact there, values move by up to "
-            f"{max(errs):.3g}; the files hold the exact values every other route reads" for route, errs in worst.items()]
+    return [f"NOT lossless through {route}: {len(errs)} weights are read there as other values, which move by up "
+            f"to {max(errs):.3g}; the files hold the exact values every other route reads"
+            for route, errs in worst.items()]
 
 
 def _same_usage_bytes(a: QuantizedTensorStorage, b: QuantizedTensorStorage, usage: str) -> bool:
@@ -952,4 +973,5 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
                        stats.sampled)
     if route is not None:  # the files hold the values above; this reader gets others
         rep.routes[route[0]] = route[1]
+    rep.routes.update(step.routes)
     return result, rep, proto

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -291,6 +291,9 @@ class Step:
     note: str = ""
     data_dependent: bool = False    # out_q is finalized from the data (delayed scaling)
     tensor_amax: float | None = None  # quantize with this amax (a fused group's shared one: fused_scales)
+    #: consumer routes that read the written bytes as other values → the largest change of a value
+    #: (an engine requantizing a fused group's member: fused_scales); the report's ``routes``
+    routes: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def proto(self, shape) -> TensorProto:
         return TensorProto(shape, self.out_dtype, self.out_q)

@@ -223,6 +223,15 @@ class Quantizer(LayoutRules, QuantizeEngine):
         max|x|: tensors a serving engine fuses into one GEMM share one scale that way."""
         return False
 
+    def shares_fused_scale(self) -> bool:
+        """Whether serving engines need every member of a fused group (q/k/v, gate/up:
+        :mod:`te_serial.fusion`) in this format to hold the same tensor scale, because they apply
+        one to the fused GEMM as they find it (NVFP4's global scale: vLLM takes the members'
+        largest and serves the others wrong). False where the format has no tensor-wide scale, or
+        where engines requantize the members to their largest scale themselves at load: an export
+        then keeps the bytes of members copied with their own scales."""
+        return False
+
     def recorded_tensor_amax(self, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """The tensor amax a quantized tensor was made with, where its buffers record it (NVFP4's
         rowwise amax), as a 0-d fp32 tensor; None where they do not."""

@@ -138,6 +138,12 @@ class Float8CurrentScalingQuantizer(_PerTensorFP8, Quantizer):
     def takes_tensor_amax(self) -> bool:
         return True
 
+    def shares_fused_scale(self) -> bool:
+        # vLLM and SGLang requantize a fused group's members to the largest per-tensor scale at load
+        # (requantize_with_max_scale), as ModelOpt's and llm-compressor's exports need: a copied
+        # member keeps its own scale
+        return False
+
     def _scale(self, x2, args=None):
         return nx.scale_from_amax(self._tensor_amax(x2, args), nx.fp8_max(self.fp8_dtype),
                                   force_pow_2_scales=self.force_pow_2_scales,

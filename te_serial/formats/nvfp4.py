@@ -425,6 +425,11 @@ class NVFP4Quantizer(Quantizer):
     def takes_tensor_amax(self) -> bool:
         return not self.row_scaled_nvfp4  # row-scaled: one amax per row, nothing tensor-wide to share
 
+    def shares_fused_scale(self) -> bool:
+        # vLLM and SGLang take the members' largest global scale for the fused GEMM and requantize
+        # nothing: a member keeping its own global scale is served with wrong values
+        return self.takes_tensor_amax()
+
     def recorded_tensor_amax(self, buffers):
         if self.row_scaled_nvfp4:
             return None

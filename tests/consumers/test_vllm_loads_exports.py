@@ -5,8 +5,11 @@ holds, per fused GEMM, the values te-serial says the export has.
 vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and applies ONE tensor scale per
 fused module: ModelOpt NVFP4 the max of the shards' weight_scale_2, compressed-tensors NVFP4
 1 / max of the shards' weight_global_scale, per-tensor FP8 the max weight_scale (the other shards
-requantized to it). An export whose fused members carry unequal tensor scales is served with
-wrong values; ``test_harness_sees_unshared_fused_scales`` checks that this harness notices.
+requantized to it). An NVFP4 export whose fused members carry unequal tensor scales is served
+with wrong values, an FP8 one with requantized values; ``test_harness_sees_unshared_fused_scales``
+checks that this harness notices. te-serial quantizes a group's members with one shared scale;
+FP8 members copied with their own scales it keeps, and reports how far vLLM's requantization moves
+them (``test_vllm_requantizes_fp8_members_kept_with_their_own_scales``).
 
 te-serial's values: the export imported back with te-serial (``convert(export, back)``, no recipe)
 and dequantized with ``te_serial.conversion.values``. Bit-equal in fp32, except NVFP4, where the
@@ -170,6 +173,61 @@ def test_vllm_holds_te_serial_values(layout, hf_dir, vh, tmp_path):
     results = _compare(held, vh, layout, tmp_path / layout, back, back_rep, tc)
     bad = {m: _figures(rows) for m, rows in results.items() if not all(r["ok"] for r in rows)}
     assert not bad, f"{layout}: vLLM holds other values than te-serial's: " + json.dumps(bad, indent=1)
+
+
+@pytest.fixture(scope="module")
+def fp8_te_dir(hf_dir, tmp_path_factory):
+    """A te-serial per-tensor FP8 checkpoint of ``hf_dir`` whose every weight has its own scale (as
+    TE training, ModelOpt and llm-compressor give them): q/k/v and gate/up hold unequal scales."""
+    transformers = pytest.importorskip("transformers")
+    import te_serial as ts
+    path = tmp_path_factory.mktemp("vllm_consumer_fp8") / "te"
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    ts.quantize_model(model, "fp8_current", columnwise=False, fused="off")
+    ts.save_quantized(model, path)
+    return path
+
+
+@pytest.mark.consumers
+@pytest.mark.parametrize("layout", ["modelopt_fp8", "compressed_tensors_fp8_tensor"])
+def test_vllm_requantizes_fp8_members_kept_with_their_own_scales(layout, fp8_te_dir, vh, tmp_path):
+    """Per-tensor FP8 members copied with their own scales (te-serial's default export: the bytes it
+    holds) are requantized by vLLM's own post-load processing to the fused group's largest scale:
+
+    - each member's values move from te-serial's by exactly the figure the export's report gives
+      for that route (nothing for the member whose scale is the group's, nor for the unfused o_proj /
+      down_proj, which vLLM holds as te-serial does);
+    - vLLM holds the values it holds for ``fused="shared"`` (te-serial requantizing the members
+      itself, its earlier default), except where vLLM's own dequantization, in FP16
+      (``per_tensor_dequantize``), rounds a member's value before requantizing it."""
+    tc = pytest.importorskip("te_serial.conversion")
+    from te_serial.conversion.fused_scales import ENGINE_REQUANTIZE_ROUTE
+    import te_serial as ts
+    rep = tc.convert(fp8_te_dir, tmp_path / "own", recipe=layout, activation_amax=AMAX)
+    tc.convert(fp8_te_dir, tmp_path / "shared", recipe=layout, activation_amax=AMAX, fused="shared")
+    own, shared = vh.load_with_vllm(tmp_path / "own"), vh.load_with_vllm(tmp_path / "shared")
+    te = ts.load_quantized(fp8_te_dir)
+    moved = 0
+    for module, members in FUSED.items():
+        got, got_shared = vh.vllm_values(own, module, layout), vh.vllm_values(shared, module, layout)
+        row = 0
+        for m in members:
+            name = f"model.layers.0.{m}.weight"
+            t = te[name]
+            want = tc.values(t).float()
+            part, part_shared = got[row: row + want.shape[0]], got_shared[row: row + want.shape[0]]
+            row += want.shape[0]
+            assert rep[name].label == "lossless" and rep[name].method == "copy", rep[name]
+            change = float((part - want).abs().max())
+            assert rep[name].routes.get(ENGINE_REQUANTIZE_ROUTE, 0.0) == change, (name, rep[name].routes, change)
+            moved += change > 0
+            b = t.buffers()
+            # vLLM's per_tensor_dequantize: the code times the member's 0-d scale, in FP16
+            fp16_rounds = (b["_data"].to(torch.float16) * b["_scale_inv"].reshape(())).float() != want
+            differ = part != part_shared
+            assert not (differ & ~fp16_rounds).any(), (name, int(differ.sum()), int((differ & ~fp16_rounds).sum()))
+    assert moved == 3  # two of q/k/v, one of gate/up
+    assert any("requantize_with_max_scale" in n for n in rep.notes), rep.notes
 
 
 @pytest.mark.consumers

@@ -21,15 +21,13 @@ b. The values te-serial holds after the import equal an independent dequantizati
    ``ulp_max`` (te-serial applies the global scale with TE's formula).
 c. Re-exported to the same layout (``convert(tmp/"te", tmp/"again", recipe=<target>)``), the
    result is compared with the real export side by side: tensor names, shapes, dtypes and bits,
-   and the ``quantization_config`` keys vLLM/SGLang read. Deliberate differences are asserted
-   precisely instead of skipped:
+   and the ``quantization_config`` keys vLLM/SGLang read. The per-tensor FP8 fused groups (q/k/v,
+   gate/up), whose members the producers leave with unequal ``weight_scale`` s (vLLM and SGLang
+   requantize them to the largest at load), come back byte for byte: te-serial keeps each member's
+   own scale too (``test_reexport_keeps_fp8_fused_groups_own_scales``). Deliberate differences are
+   asserted precisely instead of skipped:
    * compressed-tensors FP8 ``weight_scale``/``input_scale``: llm-compressor writes BF16,
      te-serial F32 — the F32 values equal the BF16 ones cast;
-   * per-tensor FP8 fused groups (q/k/v, gate/up): the producers leave each member its own
-     ``weight_scale``; te-serial's re-export gives the group one shared scale (engines apply one
-     per fused GEMM): the report's rows say "requantize", the shared scale is equal across the
-     group and is the largest member's real scale, and every member's codes are its real values
-     requantized with it (``e4m3(fp8 * scale / shared)``);
    * compressed-tensors ``ignore``: te-serial also names ``model.embed_tokens`` (a 2-D
      ``*.weight`` left unquantized; model-free tools treat every ``*.weight`` as targeted).
    Any other difference fails the test, except the ones listed in ``KNOWN`` (te-serial gaps
@@ -52,6 +50,7 @@ from safetensors.torch import load_file
 
 import te_serial
 from te_serial.conversion import EXACT_CODES, convert
+from te_serial.conversion.fused_scales import ENGINE_REQUANTIZE_ROUTE
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 F32, BF16, E4M3 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
@@ -344,53 +343,11 @@ def _bits_msg(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{name}: bits differ: {n} of {a.numel() * a.element_size()} bytes"
 
 
-def _fused_fp8_groups(k: Kind, real: dict, ours: dict, report, found: list[str]) -> set[str]:
-    """The per-tensor FP8 fused groups whose real members have unequal scales: check te-serial's
-    shared-scale re-expression; return the tensor names checked here."""
-    done: set[str] = set()
-    if k.fmt != "fp8_tensor":
-        return done
-    layers = sorted({n.split(".self_attn.")[0] + "." for n in real if ".self_attn." in n})
-    for layer in layers:
-        for group in FUSED_GROUPS:
-            mods = [layer + m for m in group]
-            scales = {m: real[m + ".weight_scale"].to(F32).reshape(()) for m in mods}
-            if len({float(s) for s in scales.values()}) == 1:
-                continue      # equal already: the general comparison applies
-            label = "+".join(m.rsplit(".", 1)[1] for m in mods)
-            where = f"{mods[0].rsplit('.', 1)[0]}.{label}"
-            top = max(mods, key=lambda m: float(scales[m]))
-            for m in mods:  # the member with the group's largest scale keeps its bytes; the others are requantized
-                row = report[m + ".weight"]
-                want_row = ("copy", "lossless") if m == top else ("requantize", "lossy")
-                if (row.method, row.label) != want_row:
-                    found.append(f"{m}.weight: report says {row.method}/{row.label}, expected {'/'.join(want_row)}")
-            shared = [ours[m + ".weight_scale"] for m in mods]
-            if any(not _same_bits(shared[0], s) for s in shared[1:]):
-                found.append(f"{where}: weight_scale not shared: {[_fmt(s) for s in shared]}")
-                continue
-            s = shared[0].to(F32).reshape(())
-            if float(s) != float(scales[top]):
-                found.append(f"{where}: shared weight_scale {float(s)!r} != the group's largest real weight_scale "
-                             f"{float(scales[top])!r} ({top})")
-            for m in mods:
-                if ours[m + ".weight_scale"].dtype != F32:
-                    found.append(f"{m}.weight_scale: dtype {ours[m + '.weight_scale'].dtype}, expected F32")
-                want = (real[m + ".weight"].to(F32) * scales[m] / s).to(E4M3)
-                got = ours[m + ".weight"]
-                if not _same_bits(want, got):
-                    n = int((want.view(torch.uint8) != got.view(torch.uint8)).sum())
-                    found.append(f"{m}.weight: {n} codes differ from the real values requantized with the shared "
-                                 f"scale")
-                done.update({m + ".weight", m + ".weight_scale"})
-    return done
-
-
 @pytest.mark.parametrize("kind", KIND_PARAMS)
 def test_reexport_tensors(runs, kind):
     """c. import + re-export to the same layout gives the real export's tensors back."""
     k = KINDS[kind]
-    again, report = runs.reexported(kind)
+    again, _ = runs.reexported(kind)
     real, ours = read_export(FIXTURES / kind), read_export(again)
     found: list[str] = []
     missing, extra = sorted(set(real) - set(ours)), sorted(set(ours) - set(real))
@@ -398,8 +355,7 @@ def test_reexport_tensors(runs, kind):
         found.append(f"missing in te-serial's re-export: {missing}")
     if extra:
         found.append(f"extra in te-serial's re-export: {extra}")
-    done = _fused_fp8_groups(k, real, ours, report, found)
-    for name in sorted(set(real) & set(ours) - done):
+    for name in sorted(set(real) & set(ours)):
         a, b = real[name], ours[name]
         if tuple(a.shape) != tuple(b.shape):
             found.append(f"{name}: shape real {tuple(a.shape)} vs te-serial {tuple(b.shape)}")
@@ -418,6 +374,36 @@ def test_reexport_tensors(runs, kind):
         if not _same_bits(a, b):
             found.append(_bits_msg(name, a, b))
     settle(kind, "tensors", found)
+
+
+FP8_TENSOR_KINDS = [kind for kind, k in KINDS.items() if k.fmt == "fp8_tensor"]
+
+
+@pytest.mark.parametrize("kind", FP8_TENSOR_KINDS)
+def test_reexport_keeps_fp8_fused_groups_own_scales(runs, kind):
+    """The producers write unequal per-tensor FP8 scales inside q/k/v and gate/up (vLLM and SGLang
+    requantize them to the largest at load): te-serial's re-export copies every member with its own
+    scale, byte for byte, and its report says that engines requantize fused groups, and how far
+    that moves each member that is not the group's largest."""
+    again, report = runs.reexported(kind)
+    real, ours = read_export(FIXTURES / kind), read_export(again)
+    layers = sorted({n.split(".self_attn.")[0] + "." for n in real if ".self_attn." in n})
+    unequal = 0
+    for layer in layers:
+        for group in FUSED_GROUPS:
+            mods = [layer + m for m in group]
+            scales = {m: float(real[m + ".weight_scale"].to(F32).reshape(-1)[0]) for m in mods}
+            unequal += len(set(scales.values())) > 1
+            for m in mods:
+                row = report[m + ".weight"]
+                assert (row.method, row.label) == ("copy", "lossless"), (m, row.method, row.label, row.note)
+                assert _same_bits(real[m + ".weight"], ours[m + ".weight"]), m
+                assert torch.equal(real[m + ".weight_scale"].to(F32), ours[m + ".weight_scale"]), m
+                largest = scales[m] == max(scales.values())
+                assert (ENGINE_REQUANTIZE_ROUTE in row.routes) is not largest, (m, row.routes)
+                assert largest or row.routes[ENGINE_REQUANTIZE_ROUTE] > 0, (m, row.routes)
+    assert unequal == 2 * len(layers), "the fixture's fused groups should hold unequal scales"
+    assert any("own tensor scale" in n and "requantize_with_max_scale" in n for n in report.notes), report.notes
 
 
 def _norm_args(args):

@@ -506,6 +506,12 @@ def _(doc, ck):
     return [ck.source, T]
 
 
+@case("checksum-row-too-long", at_open=False)
+def _(doc, ck):
+    doc["tensors"]["checksums"][_ti(doc)].append(0)
+    return [ck.source, T, "checksums"]
+
+
 @case("checksum-negative", at_open=False)
 def _(doc, ck):
     doc["tensors"]["checksums"][_ti(doc)][0] = -1

@@ -414,16 +414,26 @@ def test_meta_extra_state_is_refused_cleanly():
     refuse(torch.empty(400, dtype=torch.uint8, device="meta"), "meta device")
 
 
-@needs_te
-def test_encode_from_meta_gives_a_meta_tensor_of_the_same_length():
-    import transformer_engine.common.recipe as R
-    state = {"recipe": R.DelayedScaling(), "scale_fwd": torch.ones(3), "amax_history_fwd": torch.ones(4, 3),
-             "extra_fp8_variables": {"n": 1}}
-    cpu = encode_te_extra_state(state)
-    meta = encode_te_extra_state({**state, "scale_fwd": torch.empty(3, device="meta"),
-                                  "amax_history_fwd": torch.empty(4, 3, device="meta")})
-    assert meta.device.type == "meta" and meta.dtype == torch.uint8
-    assert abs(meta.numel() - cpu.numel()) <= 16  # storage keys are memory addresses
+@pytest.mark.parametrize("state, field", [
+    ({"scale_fwd": torch.empty(3, device="meta")}, "scale_fwd"),
+    ({"amax_history_fwd": torch.ones(4, 3), "extra_fp8_variables": {"h": [torch.empty(1 << 24, device="meta")]}},
+     "extra_fp8_variables.h.0"),
+])
+def test_encode_refuses_a_meta_tensor_naming_the_tensor_and_the_field(state, field):
+    """A meta tensor has no bytes for TE's extra state: the encoder refuses it (it used to write zeros
+    of its shape, allocating memory for bytes that exist nowhere), naming the extra state and the
+    value's path in it, before anything is allocated or pickled."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsupportedValueError) as info:
+            encode_te_extra_state(state, where=KEY)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = info.value
+    assert isinstance(err, CheckpointError) and err.tensor == KEY and err.field == field, err
+    assert "meta device" in str(err)
+    assert peak < PEAK  # the 64 MiB meta tensor above was neither stood in for nor pickled
 
 
 @pytest.mark.parametrize("data, needle", [

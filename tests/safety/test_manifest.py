@@ -9,7 +9,7 @@ import te_serial
 from te_serial.errors import ManifestError, VersionError
 
 from .corpus import FOUND_AT_FIRST_READ, MANIFEST_CASES
-from .safety_helpers import T, Ck, _pbuf, _proto, _quant, assert_same_state, bounded, expect_error
+from .safety_helpers import P, T, Ck, _pbuf, _pi, _proto, _quant, assert_same_state, bounded, expect_error
 
 
 def test_helpers_round_trip(ck, state):
@@ -28,7 +28,11 @@ def test_manifest_edit_is_refused(mutate, exc, form, request):
     expect_error(ck.load, exc, *needles, peak=ck.peak)
     if request.node.callspec.id in FOUND_AT_FIRST_READ:  # the checksums column: decoded at first use
         te_serial.open(ck.path).close()
+        assert set(te_serial.read_protos(ck.path)) == set(doc["tensors"]["names"])  # by design (open speed)
         expect_error(lambda: te_serial.verify(ck.path), exc, *needles, peak=ck.peak)
+        with pytest.raises(exc) as info:
+            te_serial.read_protos(ck.path, verify=True)
+        assert info.value.field == "tensors/checksums" and all(str(n) in str(info.value) for n in needles), info.value
     elif exc is ManifestError or exc is VersionError:  # found from the manifest alone
         expect_error(lambda: te_serial.read_protos(ck.path), exc, *needles, peak=ck.peak)
         expect_error(lambda: te_serial.open(ck.path), exc, *needles, peak=ck.peak)
@@ -45,6 +49,27 @@ def test_quantizer_kind_from_the_future_is_skipped_when_not_strict(ck, state):
     want = dict(state)
     del want[T]
     assert_same_state(out, want)
+
+
+@pytest.mark.parametrize("tensor", [P, T])
+def test_a_damaged_prototype_is_refused_by_a_non_strict_load(ck, tensor):
+    """strict=False skips only tensors whose quantizer a newer te-serial wrote: a prototype whose
+    shape needs more bytes than the checkpoint's files hold (a plain tensor's declared buffer; a
+    quantized tensor's shape, its buffers left as they were) is refused by every read, strict or
+    not, on CPU and on meta, naming the tensor and the field."""
+    doc = ck.doc()
+    if tensor == P:
+        _proto(doc, P)["shape"] = _pbuf(doc, P, "data")["shape"] = [1 << 40, 1 << 20]
+        field = f"protos/{_pi(doc, P)}/buffers/0/shape"
+    else:
+        _proto(doc, T)["shape"] = [1 << 40, 1 << 20]
+        field = f"protos/{_pi(doc, T)}"
+    ck.write(doc)
+    for read in (lambda: ck.load(strict=False), lambda: ck.load(strict=False, device="meta"), ck.load,
+                 lambda: te_serial.open(ck.path, strict=False), lambda: te_serial.read_protos(ck.path)):
+        with pytest.raises(ManifestError) as info:
+            read()
+        assert info.value.tensor == tensor and info.value.field == field, info.value
 
 
 @pytest.mark.parametrize("where", ["top", "producer", "tensor-column", "proto", "buffer", "file"])

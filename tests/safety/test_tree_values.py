@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import te_serial
 import te_shim
-from te_serial.errors import CheckpointError, ManifestError
+from te_serial.errors import CheckpointError, ManifestError, UnsupportedValueError
 from te_serial.checkpoint import tree as tree_mod
 from te_serial.checkpoint.tree import (ExtraStateBudget, TEExtraState, TensorRef, check_tree, extra_state_refs,
                                        rebuild_tree, unpack_manifest)
@@ -323,13 +323,16 @@ def test_rebuild_refuses_what_check_tree_refuses_with_the_file_named():
 
 
 @needs_te
-def test_rebuild_with_meta_tensors_gives_meta_extra_state():
+def test_rebuild_with_meta_tensors_is_refused_naming_the_file_tensor_and_field():
+    """TE extra state is its tensors' bytes: from meta tensors there are none to encode (the reader
+    loads extra-state tensors on CPU whatever the device, so a meta load never gets here)."""
     state = decode_te_extra_state(_payload())
     tree = {KEY: TEExtraState({k: TensorRef(f"{KEY}.{k}") if isinstance(v, torch.Tensor) else v
                                for k, v in state.items()})}
     tensors = {f"{KEY}.{k}": v.to("meta") for k, v in state.items() if isinstance(v, torch.Tensor)}
-    out = rebuild_tree(tree, tensors)[KEY]
-    assert out.device.type == "meta" and out.dtype == torch.uint8 and out.numel() > 100
+    err = expect(lambda: rebuild_tree(tree, tensors, file="ck.safetensors"), UnsupportedValueError, "meta device")
+    assert err.file == "ck.safetensors" and err.tensor == KEY and err.field == next(
+        k for k, v in state.items() if isinstance(v, torch.Tensor)), err
 
 
 @needs_te
@@ -429,10 +432,10 @@ def test_e2e_extra_state_holding_millions_of_values_is_refused_fast(te_ck, bomb)
 def test_e2e_meta_load_of_te_extra_state(te_ck):
     out = te_ck.load(device="meta")
     es = out[KEY]
-    assert isinstance(es, torch.Tensor) and es.dtype == torch.uint8 and es.device.type in ("cpu", "meta")
+    # the reader loads extra-state tensors on CPU whatever the device: TE's real bytes
+    assert isinstance(es, torch.Tensor) and es.dtype == torch.uint8 and es.device.type == "cpu"
     assert out["fc1.weight"].device.type == "meta" and out["layers"][0].device.type == "meta"
-    if es.device.type == "cpu":  # the reader loads extra-state tensors on CPU: TE's real bytes
-        assert decode_te_extra_state(es)["recipe"]["__class__"] == "DelayedScaling"
+    assert decode_te_extra_state(es)["recipe"]["__class__"] == "DelayedScaling"
 
 
 @needs_te

@@ -164,12 +164,17 @@ class ExternalLayout:
         """An activation amax (a double) whose :meth:`act_scale` is the fp32 ``scale`` bit for bit."""
         raise NotImplementedError
 
-    #: scheme → the key suffixes (after ``<module>.``) of the tensor-wide scales an engine applies once
-    #: to a fused group (q/k/v, gate/up): they must be equal across the group's members
-    shared_scales: dict[str, tuple[str, ...]] = {}
+    #: scheme → the key suffixes (after ``<module>.``) of a weight's tensor-wide scale, which an engine
+    #: applies once to a fused group (q/k/v, gate/up)
+    weight_tensor_scales: dict[str, tuple[str, ...]] = {}
+    #: scheme → the key suffixes of its static input scales, written equal across a fused group (the
+    #: members share their input)
+    input_scales: dict[str, tuple[str, ...]] = {}
 
-    def shared_scale_keys(self, scheme: str) -> tuple[str, ...]:
-        return self.shared_scales.get(scheme, ())
+    def shared_scale_keys(self, scheme: str, weight: bool) -> tuple[str, ...]:
+        """The key suffixes that must be equal across a fused group's members: the input scales, and
+        with ``weight`` (the group shares its tensor scale) the weight's tensor scale."""
+        return (self.weight_tensor_scales.get(scheme, ()) if weight else ()) + self.input_scales.get(scheme, ())
 
     def reader(self, scheme: str, blobs: Mapping[str, torch.Tensor], name: str) -> Callable | None:
         """For two-level schemes: the layout reader's value of (codes, block scale bytes), given

@@ -66,8 +66,8 @@ class CompressedTensors(ExternalLayout):
     family = "ct"
     mixed_name = "compressed_tensors_mixed"
     source_name = "compressed_tensors"
-    shared_scales = {"nvfp4": ("weight_global_scale", "input_global_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
-                     "fp8_channel": ("input_scale",), "mxfp8": ()}
+    weight_tensor_scales = {"nvfp4": ("weight_global_scale",), "fp8_tensor": ("weight_scale",)}
+    input_scales = {"nvfp4": ("input_global_scale",), "fp8_tensor": ("input_scale",), "fp8_channel": ("input_scale",)}
     _FP8_MODES = {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
                   "static": "FP8 (W8A8, static per-tensor activation scales)"}
     offers = {

@@ -88,8 +88,9 @@ class ModelOpt(ExternalLayout):
     extra_file_names = (HF_QUANT_CONFIG,)
     mixed_name = "modelopt_mixed"
     source_name = "modelopt"
-    shared_scales = {"nvfp4": ("weight_scale_2", "input_scale"), "fp8_tensor": ("weight_scale", "input_scale"),
-                     "mxfp8": ("input_scale",), "fp8_block": ("input_scale",)}
+    weight_tensor_scales = {"nvfp4": ("weight_scale_2",), "fp8_tensor": ("weight_scale",)}
+    input_scales = {"nvfp4": ("input_scale",), "fp8_tensor": ("input_scale",), "mxfp8": ("input_scale",),
+                    "fp8_block": ("input_scale",)}
 
     # --- export -----------------------------------------------------------------------------------
     def weight_keys(self, name, shape, scheme):

@@ -60,15 +60,16 @@ def recipe_to_plain(obj: Any, *, _depth: int = 0) -> Any:
 class _Realizer:
     """Plain data (as decoded) → the real objects TE's ``get_extra_state`` would pickle.
 
-    Every value spends one unit of the budget's work, every tensor copy its bytes. Tensors on
-    the meta device are replaced by zeros of their shape (``meta`` is then set)."""
+    Every value spends one unit of the budget's work, every tensor copy its bytes. A tensor on the
+    meta device is refused: TE's extra state is the tensors' bytes, and a meta tensor has none
+    (standing zeros in for them would write values nobody saved, and allocate memory for bytes that
+    exist nowhere: many meta tensors cost nothing to make)."""
 
     def __init__(self, budget: Optional[ExtraStateBudget] = None, where: Optional[str] = None) -> None:
         self.budget, self.where = budget, where
         self.done: Dict[int, Any] = {}
         self.keep: List[Any] = []
         self.mod = None
-        self.meta = False
         self.tensor_bytes = 0
 
     def module(self):
@@ -103,21 +104,22 @@ class _Realizer:
         if isinstance(v, torch.Tensor):
             if t not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided:
                 raise UnsupportedValueError(f"tensor at {path!r} is a {t.__name__} / {v.layout}; "
-                                            "only plain dense tensors are stored", tensor=self.where)
+                                            "only plain dense tensors are stored", tensor=self.where, field=path)
+            if v.device.type == "meta":
+                raise UnsupportedValueError(f"tensor at {path!r} is on the meta device: TE's extra state holds "
+                                            "the tensors' bytes, and a meta tensor has none (load or materialize "
+                                            "it first)", tensor=self.where, field=path)
             if v.dtype not in _STORAGE_DTYPES.values():
                 raise UnsupportedValueError(f"tensor at {path!r} has dtype {v.dtype}",
-                                            tensor=self.where)
+                                            tensor=self.where, field=path)
             nbytes = v.numel() * v.element_size()
             if nbytes > MAX_STORAGE_BYTES:
                 raise UnsupportedValueError(f"tensor at {path!r} has {nbytes} bytes (limit "
-                                            f"{MAX_STORAGE_BYTES})", tensor=self.where)
+                                            f"{MAX_STORAGE_BYTES})", tensor=self.where, field=path)
             if self.budget is not None:
                 self.budget.spend_bytes(nbytes, self.where, f"tensor {path!r}")
             self.tensor_bytes += nbytes
             src = v.detach()
-            if src.device.type == "meta":  # no bytes: zeros stand in (only the length is used)
-                self.meta = True
-                return torch.zeros(src.shape, dtype=src.dtype)
             dst = torch.empty_like(src, device="cpu")  # what TE's to_cpu does
             dst.copy_(src)
             return dst
@@ -209,9 +211,10 @@ def encode_te_extra_state(state: Optional[dict], *, where: Optional[str] = None,
     entry is left out (the TE 1.x shape); every other entry keeps its order. Recipes are rebuilt
     as real ``transformer_engine.common.recipe`` objects (TE must be importable, else
     :class:`TEUnavailableError`), tensors are copied to CPU as ``get_extra_state`` does, and the
-    dict goes through ``pickle.dumps`` with the default protocol. Tensors on the meta device give
-    a meta uint8 tensor of (about) the length the real bytes would have. Work, tensor bytes and
-    the payload's bytes are charged to ``budget`` when given; ``where`` is named in errors.
+    dict goes through ``pickle.dumps`` with the default protocol. A tensor on the meta device has
+    no bytes to write and is refused (:class:`~te_serial.errors.UnsupportedValueError` naming
+    ``where`` and its path in the state as the field). Work, tensor bytes and the payload's bytes
+    are charged to ``budget`` when given; ``where`` is named in errors.
     """
     if state is None:
         return torch.empty(0, dtype=torch.uint8)
@@ -241,8 +244,6 @@ def encode_te_extra_state(state: Optional[dict], *, where: Optional[str] = None,
                                     f"(limit {MAX_PAYLOAD_BYTES})", tensor=where)
     if budget is not None:
         budget.spend_bytes(max(0, len(payload) - realizer.tensor_bytes), where, "the encoded payload")
-    if realizer.meta:
-        return torch.empty(len(payload), dtype=torch.uint8, device="meta")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
