@@ -105,6 +105,11 @@ class ExpertPart(NamedTuple):
     rows: tuple[int, int] | None
 
 
+def fused_name(name: str) -> bool:
+    """transformers 5's name of a layer's 3-D experts (``<p>.experts.gate_up_proj`` / ``down_proj``)."""
+    return _FUSED.fullmatch(name) is not None
+
+
 def checkpoint_name(name: str, architecture: str | None) -> str:
     """``name`` as the architecture's checkpoints (and engines) write it: Mixtral's ``mlp`` is
     ``block_sparse_moe`` there (its router included)."""

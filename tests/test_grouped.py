@@ -187,7 +187,7 @@ def test_save_load_byte_identical_and_one_expert_reads_only_its_bytes(tmp_path, 
     assert_same_tensor(back["model.layers.0.mlp.experts.linear_fc1.weight"], g)
     name = "model.layers.0.mlp.experts.linear_fc1.weight"
     with ts.open(path) as ckpt:
-        assert ckpt.manifest.version == (1, 3)
+        assert ckpt.manifest.version >= (1, 3)  # grouped tensors: format 1.3 on
         assert ckpt.protos[name].quantizer == g.quantizer
         for i, m in enumerate(members):
             before = _bytes_read(ckpt)

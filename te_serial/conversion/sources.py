@@ -632,12 +632,12 @@ class GroupedView(Source):
     exactly; every other tensor passes through. A split reads one expert's bytes at a time.
     The naming rule and the packing are the grouped format's (``te_serial.formats.grouped``)."""
 
-    def __init__(self, inner: Source, mode: str) -> None:
+    def __init__(self, inner: Source, mode: str, keep: frozenset[str] = frozenset()) -> None:
         from .transforms import plan_grouped
         self.__dict__.update(inner.__dict__)  # config, files, notes, activation amax… are the source's
         self.inner, self.layout = inner, inner.layout
         self.tensors = {}
-        self._plan = plan_grouped(mode, {n: st.proto for n, st in inner.tensors.items()})
+        self._plan = plan_grouped(mode, {n: st.proto for n, st in inner.tensors.items()}, keep)
         for out, (srcs, merged) in self._plan.items():
             if srcs == [(out, None)]:
                 self.tensors[out] = inner.tensors[out]
@@ -799,11 +799,15 @@ class PerExpertView(Source):
 
     def __init__(self, inner: Source) -> None:
         from ..fusion import architecture_of
-        from ..moe import checkpoint_name, plan_split_fused
+        from ..moe import checkpoint_name, fused_name, plan_split_fused
+        from ..precision import is_expert_weight
         self.__dict__.update(inner.__dict__)
         self.inner, self.layout = inner, inner.layout
         arch = architecture_of(inner.config)
         self._parts = plan_split_fused({n: st.shape for n, st in inner.tensors.items()}, arch)
+        #: 3-D experts this architecture's checkpoints keep whole (gpt-oss), left so by the grouped split
+        self.kept_whole = frozenset(n for n, st in inner.tensors.items()
+                                    if is_expert_weight(n, st.shape) and fused_name(n))
         split = {p.source for p in self._parts.values()}
         self._renamed: dict[str, str] = {}
         self.tensors = {}
@@ -867,4 +871,5 @@ class PerExpertView(Source):
 def split_experts(source: Source) -> Source:
     """``source`` with every expert weight under its own per-expert name, as engines read them: 3-D
     transformers 5 experts (:class:`PerExpertView`) and TE grouped weights (:class:`GroupedView`)."""
-    return GroupedView(PerExpertView(source), "split")
+    experts = PerExpertView(source)
+    return GroupedView(experts, "split", experts.kept_whole)

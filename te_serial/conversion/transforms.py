@@ -478,14 +478,15 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
 GROUPED_MODES = ("keep", "split", "merge")
 
 
-def plan_grouped(mode: str, protos: dict[str, TensorProto]) -> dict[str, tuple[list[tuple[str, int | None]], bool]]:
+def plan_grouped(mode: str, protos: dict[str, TensorProto], keep: frozenset[str] = frozenset()
+                 ) -> dict[str, tuple[list[tuple[str, int | None]], bool]]:
     """Output name → (its sources ``(source name, member index or None)``, whether they are merged),
     in output order: ``split`` gives each expert of a grouped tensor ``<p>.experts.<proj>.<leaf>`` its
     own ``<p>.experts.<i>.<proj>.<leaf>``; ``merge`` packs such per-expert tensors back into one;
-    ``keep`` maps every name to itself."""
+    ``keep`` maps every name to itself. Names in ``keep`` are never split."""
     from ..formats.grouped import plan_merge, plan_split
     if mode == "split":
-        return {out: ([src], False) for out, src in plan_split(protos).items()}
+        return {out: ([src], False) for out, src in plan_split(protos, keep).items()}
     if mode == "merge":
         return {out: ([(s, None) for s in srcs], srcs != [out]) for out, srcs in plan_merge(list(protos)).items()}
     if mode == "keep":

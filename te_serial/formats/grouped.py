@@ -541,15 +541,13 @@ def split_name(name: str) -> tuple[str, int] | None:
     return f"{m.group(1)}.{m.group(3)}.{m.group(4)}", int(m.group(2))
 
 
-def plan_split(protos: Mapping[str, Any]) -> dict[str, tuple[str, int | None]]:
-    """Output name → (source name, member index or None) when every grouped tensor named
-    ``<p>.experts.<proj>.<leaf>`` is split into its experts (``protos``: name → TensorProto, in order;
-    others pass through, transformers 5's 3-D ``experts.gate_up_proj`` among them: ``te_serial.moe``
-    names those)."""
+def plan_split(protos: Mapping[str, Any], keep: frozenset[str] = frozenset()) -> dict[str, tuple[str, int | None]]:
+    """Output name → (source name, member index or None) when every grouped tensor but those in
+    ``keep`` is split into its experts (``protos``: name → TensorProto, in order; others pass through)."""
     out: dict[str, tuple[str, int | None]] = {}
     for name, p in protos.items():
         q = getattr(p, "quantizer", None)
-        split = isinstance(q, GroupedQuantizer) and _GROUPED.fullmatch(name) is not None
+        split = isinstance(q, GroupedQuantizer) and name not in keep
         names = [(expert_name(name, i), (name, i)) for i in range(q.num_tensors)] if split else [(name, (name, None))]
         for new, src in names:
             if new in out:
