@@ -44,6 +44,13 @@ def is_per_expert(name: str) -> bool:
     return _PER_EXPERT.fullmatch(name) is not None
 
 
+def expert_projection(module: str) -> str | None:
+    """``<p>.experts.<projection>`` for a per-expert module ``<p>.experts.<i>.<projection>``, else None:
+    what the experts of one layer share (engines give them one static input scale, the max)."""
+    m = _PER_EXPERT.fullmatch(f"{module}.weight")
+    return None if m is None else f"{m.group(1)}.experts.{m.group(3)}"
+
+
 def in_memory_name(name: str) -> str:
     """A checkpoint's module path as transformers 5 names it (:data:`MODULE_RENAMES`)."""
     for old, new in MODULE_RENAMES:
@@ -141,3 +148,14 @@ def plan_split_fused(shapes: dict[str, tuple[int, ...]], architecture: str | Non
             else:
                 out[f"{base}.{i}.{down}.weight"] = ExpertPart(name, i, None)
     return out
+
+
+def expert_module_names(experts: str, i: int, architecture: str | None) -> tuple[str, str, str] | None:
+    """(gate, up, down) module names of expert ``i`` of transformers 5's experts module ``experts``
+    (``<p>.experts``) as the architecture's checkpoints and exports write them; None where they keep
+    the experts whole (gpt-oss)."""
+    style = CHECKPOINT_STYLES.get(architecture or "", DEFAULT_STYLE)
+    if style is None:
+        return None
+    base = checkpoint_name(experts, architecture)
+    return tuple(f"{base}.{i}.{proj}" for proj in style[0])

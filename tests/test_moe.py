@@ -423,3 +423,48 @@ def test_gpt_oss_experts_convert_to_bf16_and_are_refused_by_serving_layouts_nami
     state = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     for name, p in expert_stacks(model).items():
         assert torch.equal(state[name], p.dequantize())
+
+
+# --- calibration: per-expert activation amax, for static exports --------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_activation_amax_records_each_experts_input_under_its_export_name(arch, tmp_path):
+    from te_serial.conversion import ActivationAmax
+    model = ts.quantize_model(build(arch), "nvfp4", columnwise=False)
+    routed: dict[str, list] = {}  # an independent record of what each experts module was given
+
+    def spy(name):
+        def hook(module, args):
+            routed.setdefault(name, []).append((args[0].detach().float(), args[1].detach()))
+        return hook
+    experts = {n: m for n, m in model.named_modules() if n.endswith(".experts")}
+    hooks = [m.register_forward_pre_hook(spy(n)) for n, m in experts.items()]
+    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(4))
+    with ActivationAmax(model) as cal, torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    module, (gate, up, down) = EXPERT_NAMES[arch]
+    for name, calls in routed.items():
+        base = name.replace(".mlp.", f".{module}.")
+        for e in range(experts[name].num_experts):
+            seen = torch.cat([x.reshape(-1, x.shape[-1])[(i.reshape(x.numel() // x.shape[-1], -1) == e).any(-1)]
+                              for x, i in calls])
+            want = float(seen.abs().amax()) if seen.numel() else 0.0
+            got = [cal.amax.get(f"{base}.{e}.{p}") for p in (gate, up, down)]
+            if want == 0.0:  # never routed here, or only zeros: nothing recorded (exports fill it)
+                assert got[:2] == [None, None]
+                continue
+            assert got[0] == got[1] == want, (name, e)
+            if e != 1:  # expert 1 is all zeros: its intermediate is zero
+                assert got[2] is not None and got[2] > 0
+    ts.save_quantized(model, tmp_path / "te")
+    rep = ts.convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_nvfp4", activation_amax=cal.amax)
+    assert any("no calibrated input amax" in n for n in rep.notes)  # the all-zero expert got its layer's max
+    keys, _ = _export_keys_and_config(tmp_path / "out")
+    layer = f"model.layers.0.{module}.experts"
+    for e in range(experts[f"model.layers.0.mlp.experts"].num_experts):
+        for p in (gate, up, down):
+            assert f"{layer}.{e}.{p}.input_scale" in keys, (e, p)
+    downs = [keys[f"{layer}.{e}.{down}.input_scale"] for e in range(4)]
+    assert torch.equal(keys[f"{layer}.1.{down}.input_scale"], max(downs, key=float))  # the layer's max amax

@@ -332,7 +332,7 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
     if family in LAYOUTS:
         acts = dict(source.activation_amax)
         acts.update(_parse_amax(activation_amax))
-        modes, notes = {}, []
+        modes, notes = {}, _fill_expert_amax(acts, [module_of(n) for n in scheme_of])
         for s in schemes:  # each weight scheme's activation scheme, from the amax of its own layers
             quantized = [module_of(n) for n, ws in scheme_of.items() if ws == s]
             with_amax = sum(m in acts for m in quantized)
@@ -500,6 +500,28 @@ def _ignored_modules(plans: list[TensorPlan], source: Source) -> list[str]:
             and "lm_head.weight" not in source.tensors:
         out.append("lm_head")  # a tied head: not in the weights, still a Linear in the model
     return sorted(set(out), key=out.index)
+
+
+def _fill_expert_amax(acts: dict[str, float], modules: list[str]) -> list[str]:
+    """Give each expert without a calibrated input amax (no token reached it, or only zeros) the
+    largest of its layer's experts for the same projection, as engines serve one input scale per
+    layer and projection (the max). Notes for the report."""
+    from ..moe import expert_projection
+    layers: dict[str, list[str]] = {}
+    for m in modules:
+        p = expert_projection(m)
+        if p is not None:
+            layers.setdefault(p, []).append(m)
+    filled = 0
+    for members in layers.values():
+        known = [acts[m] for m in members if m in acts]
+        if known and len(known) < len(members):
+            for m in members:
+                if m not in acts:
+                    acts[m] = max(known)
+                    filled += 1
+    return [f"activations: {filled} experts had no calibrated input amax and take their layer's largest for the "
+            "same projection (engines serve one input scale per layer, the max)"] if filled else []
 
 
 def _config(spec: ExportSpec | None, family: str, source: Source, plans: list[TensorPlan],
