@@ -367,7 +367,8 @@ class Checkpoint:
         return out, check
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,
-            mmap: bool = True, rows=None, cols=None, member: int | None = None) -> torch.Tensor:
+            mmap: bool = True, rows=None, cols=None, member: int | None = None,
+            members: tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor, reading only its own buffers.
 
         ``rows=(r0, r1)`` / ``cols=(c0, c1)`` (TE's 2-D view: rows are the leading dims
@@ -378,17 +379,20 @@ class Checkpoint:
         touches is read whole to check its checksum.
 
         ``member=i`` of a grouped (MoE) tensor reads only expert ``i``'s bytes and returns that
-        member (a quantized tensor of the member format, or a plain tensor).
+        member (a quantized tensor of the member format, or a plain tensor); ``members=(start, stop)``
+        reads only those experts' bytes and returns them as a grouped tensor of their own (an
+        expert-parallel rank's experts).
         """
         if name not in self.manifest.tensors:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
         grouped = getattr(self._protos[name].quantizer, "is_container", False)
-        if member is not None or (grouped and (rows is not None or cols is not None)):
-            if not grouped or rows is not None or cols is not None:
-                raise CheckpointError("member= reads one member of a grouped tensor, and a grouped tensor is "
-                                      "read whole or by member= (not rows= / cols=)", file=str(self.path),
-                                      tensor=name)
-            out = self._get_member(name, member, verify)
+        if member is not None or members is not None or (grouped and (rows is not None or cols is not None)):
+            if not grouped or rows is not None or cols is not None or (member is not None and members is not None):
+                raise CheckpointError("member= / members= read members of a grouped tensor, and a grouped tensor "
+                                      "is read whole or by member= or members= (not rows= / cols=)",
+                                      file=str(self.path), tensor=name)
+            out = self._get_member(name, member, verify) if members is None else \
+                self._get_members(name, members, verify)
             device = torch.device(device)
             return out if device.type == "cpu" else out.to(device)
         if rows is not None or cols is not None:
@@ -468,6 +472,21 @@ class Checkpoint:
         parts = {buf.name: self.read_region(name, buf, (ranges[buf.name][0],), (ranges[buf.name][1],), verify=verify)
                  for buf in self.pieces(name)}
         return q.assemble_member(i, parts, proto.dtype, requires_grad=proto.requires_grad)
+
+    def _get_members(self, name: str, members, verify: bool) -> torch.Tensor:
+        """Members ``start`` .. ``stop - 1`` of a grouped tensor as a grouped tensor, reading only their
+        range of each packed buffer."""
+        proto = self._protos[name]
+        try:
+            start, stop = members
+            part, spans = proto.quantizer.member_span(start, stop)
+        except (TypeError, ValueError, ShapeError) as e:
+            raise CheckpointError(f"members={members!r}: {e if isinstance(e, ShapeError) else 'a (start, stop) pair'}",
+                                  file=str(self.path), tensor=name) from None
+        specs = part.describe_buffers(part.group_shape)
+        parts = {buf.name: self.read_region(name, buf, (spans[buf.name][0],), (spans[buf.name][1],), verify=verify)
+                 .view(specs[buf.name].dtype) for buf in self.pieces(name)}
+        return part.tensor_class(part.group_shape, proto.dtype, part, requires_grad=proto.requires_grad, **parts)
 
     def _get_slice(self, name: str, rows, cols, verify: bool) -> torch.Tensor:
         proto = self._protos[name]

@@ -52,7 +52,7 @@ def _local_view(name: str, value: Any, *, loading: bool = False) -> _Local:
                                         f"{value.placements}; reduce it before saving")
         sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         box = (tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
-        q = local.quantizer if _is_quantized(local) else None
+        q = local.quantizer.of_whole(value.shape) if _is_quantized(local) else None
         proto = TensorProto(tuple(value.shape), value.dtype, q, bool(value.requires_grad))
         if q is not None and tuple(local.shape) != box[1]:
             raise ShapeError(f"tensor {name!r} on rank {_rank()}: the local quantized tensor is "
@@ -109,8 +109,8 @@ def _buffer_pieces(loc: _Local, *, loading: bool = False) -> dict[str, tuple[tup
     buffers (its scale_inv / amax)."""
     rc = _quantized_range(loc)
     q, local = loc.proto.quantizer, loc.local
-    lshape = tuple(local.shape)
-    views, specs, values = region_views(q, lshape), q.describe_buffers(lshape), q.value_dtypes()
+    lshape, lq = tuple(local.shape), local.quantizer  # the shard's own (a grouped shard: its members only)
+    views, specs, values = region_views(lq, lshape), lq.describe_buffers(lshape), q.value_dtypes()
     if rc is None:
         if not loading:
             return {}

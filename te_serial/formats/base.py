@@ -185,6 +185,11 @@ class Quantizer(LayoutRules, QuantizeEngine):
             return dataclasses.replace(self, rowwise=target.rowwise, columnwise=target.columnwise)
         return None
 
+    def of_whole(self, shape) -> "Quantizer":
+        """The quantizer of the whole tensor of ``shape`` whose shard this quantizer describes (a DTensor's
+        local tensor): this one; a grouped stack's shard holds fewer members than the whole."""
+        return self
+
     def member_format(self) -> "Quantizer":
         """The quantizer the tensor's values are quantized with: this one; a container's members'."""
         return self

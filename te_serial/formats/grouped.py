@@ -273,6 +273,39 @@ class GroupedQuantizer(Quantizer):
     def member_format(self) -> Quantizer:
         return self.member if self.member is not None else self
 
+    # --- shards of a stack: a range of whole members (FSDP2's Shard(0), expert parallelism) ------
+    def _stacked(self) -> bool:
+        return len(self._shape) == 3 and all(s == self.member_shapes[0] for s in self.member_shapes)
+
+    def of_whole(self, shape) -> Quantizer:
+        shape = tuple(int(d) for d in shape)
+        if not self._stacked() or len(shape) != 3 or shape[1:] != self._shape[1:]:
+            return self
+        return dataclasses.replace(self, member_shapes=[self.member_shapes[0]] * shape[0])
+
+    def slice_alignment(self) -> tuple[int, int]:
+        """A stack is sliced by whole members along its first dim: rows of its 2-D view [E × a, b] in
+        multiples of a member's ``a``, columns whole."""
+        if not self._stacked():
+            return self._shape[0] if len(self._shape) == 2 else 1, math.prod(self._shape[1:]) or 1
+        return self._shape[1], self._shape[2]
+
+    def member_span(self, start: int, stop: int) -> tuple["GroupedQuantizer", dict[str, tuple[int, int]]]:
+        """(the quantizer of members ``start`` .. ``stop - 1`` as a group of their own, grouped buffer →
+        (first element, element count) of their part)."""
+        if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start < stop <= self.num_tensors:
+            raise ShapeError(f"members [{start}, {stop}) out of range: the group has {self.num_tensors} members")
+        offsets = self._lay().offsets
+        return (dataclasses.replace(self, member_shapes=self.member_shapes[start:stop]),
+                {g: (o[start], o[stop] - o[start]) for g, o in offsets.items()})
+
+    def member_boxes(self, rows: tuple[int, int]) -> dict[str, tuple[tuple[int], tuple[int]]]:
+        """Grouped buffer → (offset, size) of members ``rows // a`` (a range of whole members of a
+        stack: see :meth:`slice_alignment`) in its flat buffer."""
+        per = self._shape[1]
+        i0, i1 = rows[0] // per, -(-rows[1] // per)
+        return {g: ((o[i0],), (o[i1] - o[i0],)) for g, o in self._lay().offsets.items()}
+
     def data_buffers(self) -> frozenset[str]:
         member_data = self.member.data_buffers() if self.member is not None else {_PLAIN}
         return frozenset(g for g, m in self._lay().member_name.items() if m in member_data)
@@ -427,6 +460,14 @@ class GroupedTensorStorage(QuantizedTensorStorage):
         byte-identical to what was merged; plain members come back as plain tensors."""
         internal = not isinstance(self, torch.Tensor)
         return self._quantizer.split_buffers(self.buffers(), fake_dtype=self._fake_dtype, internal=internal)
+
+    def member_range(self, start: int, stop: int) -> "GroupedTensorStorage":
+        """Members ``start`` .. ``stop - 1`` as a grouped tensor of their own (views of the packed
+        buffers, the same member format and layout): an expert-parallel rank's or an FSDP2 shard's
+        experts."""
+        part, spans = self._quantizer.member_span(start, stop)
+        bufs = {g: b[spans[g][0]:spans[g][0] + spans[g][1]] for g, b in self.buffers().items()}
+        return type(self)(part.group_shape, self._fake_dtype, part, **bufs)
 
     @classmethod
     def from_members(cls, tensors: Sequence[Any], *, requires_grad: bool = False) -> "GroupedTensorStorage":

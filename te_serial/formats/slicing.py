@@ -103,6 +103,8 @@ def buffer_regions(q: Quantizer, shape, rows: Range = None, cols: Range = None) 
     ra, ca = q.slice_alignment()
     r0, r1 = _bounds(rows, m, ra, "rows")
     c0, c1 = _bounds(cols, k, ca, "cols")
+    if q.is_container:  # a range of whole members: their parts of the packed buffers
+        return q.member_boxes((r0, r1))
     views = region_views(q, shape)
     out: dict[str, Box] = {n: ((0,) * len(v), v) for n, v in views.items()}
     for usage in q.usages_on():
