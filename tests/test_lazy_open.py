@@ -7,9 +7,13 @@
 - the column-at-a-time header check accepts exactly what the entry-by-entry check accepts, with
   the same entries, on valid and damaged headers alike;
 - zero-size dimensions round-trip;
-- a shard whose header is byte for byte the one te-serial's writer plans from the manifest is
-  taken without a parse; any other valid header (another writer's formatting) is parsed and
-  checked as before, and loads to the same tensors.
+- a shard whose header is byte for byte the one te-serial's writer plans from the manifest (up to
+  the spaces that pad it) is taken without a parse; any other valid header (another writer's
+  formatting) is parsed and checked as before, and loads to the same tensors;
+- a single file goes the same way: te-serial's own opens from the manifest at its header's start
+  (no parse, no per-file index) and is compared at its first read; another writer's formatting is
+  parsed at open, te-serial's metadata over other entries at the first read; a tampered or damaged
+  one is refused with te-serial's error.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 
 import te_serial as ts
 from te_serial.checkpoint import files
-from te_serial.errors import CheckpointFileError, TeSerialError
+from te_serial.checkpoint.manifest import HEADER_KEY
+from te_serial.errors import CheckpointFileError, ManifestError, TeSerialError, TensorMismatchError
 
 from helpers import assert_same_tensor
 
@@ -237,3 +242,208 @@ def test_a_shard_as_planned_skips_the_parse_and_another_valid_header_is_parsed(t
     for name, t in again.load_tensors().items():
         assert_same_tensor(t, sd[name], name)
     assert parsed == [str(shard)] and not again._files[shard.name].as_planned
+
+
+# --- a single file: the same compare-not-parse path ------------------------------------------------
+
+def _split(path):
+    """(header JSON, data section) of a safetensors file."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return raw[8:8 + n], raw[8 + n:]
+
+
+def _rewrite(path, text: bytes, data: bytes, *, room: int | None = None):
+    """A new file at ``path`` (the old one unlinked: open handles keep theirs) with this header's
+    JSON, space-padded to ``room`` bytes if given (else to a multiple of 8), and this data."""
+    size = room if room is not None else len(text) + (-len(text) % 8)
+    assert len(text) <= size
+    path.unlink()
+    path.write_bytes(struct.pack("<Q", size) + text + b" " * (size - len(text)) + data)
+
+
+def _count_parses_and_indexes(monkeypatch):
+    """Paths whose header got the full parse, and how often the manifest's per-file index was built."""
+    parsed, indexed = [], []
+    real_parse = files._read_header
+    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real_parse(*a))
+    from te_serial.checkpoint.manifest import Manifest
+    real_index = Manifest.buffers_by_file
+    monkeypatch.setattr(Manifest, "buffers_by_file", lambda self: indexed.append(1) or real_index(self))
+    return parsed, indexed
+
+
+def test_a_single_file_as_written_opens_without_a_parse_and_reads_as_planned(tmp_path, monkeypatch):
+    """te-serial's own single file: the manifest is taken from the header's start, no header is
+    parsed and no per-file index is built at open (every prototype built); the first read compares
+    the header with the planned one instead of parsing it."""
+    from te_serial.checkpoint.manifest import SELF_FILE
+    path = tmp_path / "one.safetensors"
+    sd = _many(path, n=30)
+    parsed, indexed = _count_parses_and_indexes(monkeypatch)
+    with ts.open(path) as ckpt:
+        built = [ckpt.protos[name] for name in ckpt.protos]
+        assert [(p.shape, p.dtype, p.quantizer) for p in built] == \
+            [(tuple(t.shape), t.dtype, getattr(t, "quantizer", None)) for t in sd.values()]
+        assert parsed == [] and indexed == []  # open and every prototype: the manifest alone
+        for name, t in ckpt.load_tensors().items():
+            assert_same_tensor(t, sd[name], name)
+        assert parsed == [] and ckpt._files[SELF_FILE].as_planned  # compared, not parsed
+    assert ts.verify(path) == sum(len(t.buffers()) if hasattr(t, "buffers") else 1 for t in sd.values())
+    assert parsed == []
+
+
+def test_a_single_file_in_another_formatting_is_parsed_and_checked_at_open(tmp_path, monkeypatch):
+    """The same header as another writer formats it (spaces, the metadata last): its manifest is
+    found by the full parse, at open, and the file loads the same tensors."""
+    path = tmp_path / "one.safetensors"
+    sd = _many(path, n=30)
+    text, data = _split(path)
+    header = json.loads(text)
+    meta = header.pop("__metadata__")
+    _rewrite(path, json.dumps({**dict(reversed(list(header.items()))), "__metadata__": meta}).encode(), data)
+    parsed, _ = _count_parses_and_indexes(monkeypatch)
+    with ts.open(path) as ckpt:
+        assert parsed == [str(path)]
+        for name, t in ckpt.load_tensors().items():
+            assert_same_tensor(t, sd[name], name)
+        assert parsed == [str(path)] and not ckpt._files[""].as_planned
+
+
+def test_a_single_file_with_te_serials_metadata_but_other_entries_is_parsed_at_its_first_read(tmp_path, monkeypatch):
+    """The metadata first, as te-serial writes it, but the entries in another order and the header
+    in another room: opened without a parse, parsed and checked at the first read, the same tensors."""
+    path = tmp_path / "one.safetensors"
+    sd = _many(path, n=30)
+    text, data = _split(path)
+    header = json.loads(text)
+    meta = header.pop("__metadata__")
+    compact = json.dumps({"__metadata__": meta, **dict(reversed(list(header.items())))},
+                         separators=(",", ":")).encode()
+    _rewrite(path, compact, data, room=len(compact) + 40 + (-len(compact) % 8))
+    parsed, _ = _count_parses_and_indexes(monkeypatch)
+    with ts.open(path) as ckpt:
+        assert parsed == []
+        for name, t in ckpt.load_tensors().items():
+            assert_same_tensor(t, sd[name], name)
+        assert parsed == [str(path)] and not ckpt._files[""].as_planned
+
+
+def _tampered_entry(path) -> str:
+    """A te-serial single file with one MXFP8 data entry's shape transposed in place: the same bytes
+    and header length, a valid header, but not the manifest's shape. Returns the entry's key."""
+    text, data = _split(path)
+    key = next(k for k in json.loads(text) if k.endswith("._rowwise_data"))
+    at = text.index(json.dumps(key).encode())
+    old = b'"shape":[32,64]'
+    pos = text.index(old, at)
+    _rewrite(path, text[:pos] + b'"shape":[64,32]' + text[pos + len(old):], data, room=len(text))
+    return key
+
+
+def test_a_tampered_single_file_is_refused_at_its_first_read(tmp_path):
+    path = tmp_path / "one.safetensors"
+    _many(path, n=30)
+    key = _tampered_entry(path)
+    ckpt = ts.open(path)  # the manifest only: opens
+    with pytest.raises(TensorMismatchError) as e:
+        ckpt.get(key.rsplit(".", 1)[0])
+    assert str(path) in str(e.value) and "_rowwise_data" in str(e.value)
+    ckpt.close()
+    for refused in (lambda: ts.load_quantized(path), lambda: ts.verify(path)):
+        with pytest.raises(TensorMismatchError):
+            refused()
+
+
+@pytest.mark.parametrize("damage", ["duplicate-metadata", "appended-bytes", "other-manifest", "not-base64"])
+def test_other_damage_to_a_single_file_is_refused(tmp_path, damage):
+    """A header that begins as te-serial writes it but holds a second ``__metadata__``; a file with
+    bytes beyond its entries (its size does not add up: parsed at open); the manifest of another
+    checkpoint; a manifest that is not base64 — each refused with te-serial's error."""
+    path = tmp_path / "one.safetensors"
+    _many(path, n=30)
+    text, data = _split(path)
+    at_open = damage != "duplicate-metadata"
+    if damage == "duplicate-metadata":
+        body = text.rstrip(b" ")
+        _rewrite(path, body[:-1] + b',"__metadata__":{"format":"pt"}}', data, room=len(text))
+        error = CheckpointFileError
+    elif damage == "appended-bytes":
+        _rewrite(path, text, data + b"\0" * 8, room=len(text))
+        error = CheckpointFileError
+    elif damage == "other-manifest":
+        other = tmp_path / "other.safetensors"
+        ts.save_quantized({"layers.1.w": torch.zeros(64, 64)}, other)
+        value = json.loads(_split(other)[0])["__metadata__"][HEADER_KEY].encode()
+        start = text.index(b'":"') + 3
+        end = text.index(b'"', start)
+        _rewrite(path, text[:start] + value + text[end:], data)
+        error = TensorMismatchError
+    else:
+        start = text.index(b'":"') + 3
+        _rewrite(path, text[:start] + b"!" + text[start + 1:], data, room=len(text))
+        error = ManifestError
+    if at_open:
+        with pytest.raises(error) as e:
+            ts.open(path)
+    else:
+        ckpt = ts.open(path)
+        with pytest.raises(error) as e:
+            ckpt.load_tensors()
+        ckpt.close()
+    assert str(path) in str(e.value)
+    with pytest.raises(error):
+        ts.verify(path)
+
+
+def test_verify_checks_a_single_files_header_even_without_buffers(tmp_path):
+    """A checkpoint with no tensor reads no buffer; ``verify`` still checks its header whole."""
+    path = tmp_path / "empty.safetensors"
+    ts.save_quantized({"step": 3}, path)
+    text, data = _split(path)
+    body = text.rstrip(b" ")
+    _rewrite(path, body[:-1] + b',"x":1}', data, room=len(text))
+    assert ts.load_quantized(path) == {"step": 3}  # nothing read from the file
+    with pytest.raises(CheckpointFileError) as e:
+        ts.verify(path)
+    assert str(path) in str(e.value)
+
+
+_VALUES = ["", "abc+/=", "a b", 'q"uote', "back\\slash", "tab\t", "ünï", "\x7f", "x" * 300]
+
+
+@pytest.mark.parametrize("value", _VALUES)
+@pytest.mark.parametrize("key", [HEADER_KEY, 'k"ey', "ké"])
+def test_the_leading_metadata_is_what_a_parse_gives_or_none(key, value):
+    """Read without a parse only where the header begins as te-serial writes it, the value plain
+    printable ASCII; then it is the value the parse gives."""
+    entries, _ = _valid_entries(random.Random(len(value)), 3)
+    planned = files.planned_header([(k, tuple(e["shape"]), files.dtype_from_code(e["dtype"]))
+                                    for k, e in entries.items()], {key: value})
+    got = files.leading_metadata(planned.raw, key)
+    plain = all(0x20 <= ord(c) < 0x7F for c in value) and '"' not in value and "\\" not in value
+    assert got == (value if plain else None)
+    assert json.loads(planned.raw)["__metadata__"][key] == value
+    others = [json.dumps({"__metadata__": {key: value}}).encode(),              # spaces
+              b" " + planned.raw,                                            # leading space
+              json.dumps({"__metadata__": {key: value, "b": "c"}}, separators=(",", ":")).encode(),
+              json.dumps({"a": 1, "__metadata__": {key: value}}, separators=(",", ":")).encode()]
+    assert [files.leading_metadata(raw, key) for raw in others] == [None] * 4
+
+
+def test_a_planned_header_padded_with_spaces_is_compared_and_any_other_byte_parsed(tmp_path, monkeypatch):
+    items = [("a", (2, 3), torch.float32), ("b", (5,), torch.bfloat16)]
+    planned = files.planned_header(items, {"k": "v"})
+    data = bytes(range(34))
+    parsed = []
+    real = files._read_header
+    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
+    for pad, as_planned in ((b"", True), (b" " * 16, True), (b"\t" + b" " * 7, False), (b"\n" * 8, False)):
+        p = tmp_path / f"f{len(parsed)}{as_planned}.safetensors"
+        raw = planned.raw + pad
+        p.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+        with files.SafetensorsFile(p, expected=planned) as f:
+            assert f.as_planned == as_planned and f.entries == planned.entries
+            got = f.read("a").view(torch.uint8).reshape(-1)
+            assert torch.equal(got, torch.arange(24, dtype=torch.uint8))
+    assert len(parsed) == 2

@@ -241,15 +241,37 @@ def read_header(fd: int, path: str, size: int, expected: PlannedHeader | None = 
     :func:`_read_header`, parsed with the cyclic GC paused (:func:`gc_paused`).
 
     ``expected``: the header te-serial's writer gives this file (:func:`planned_header`). A file
-    that holds exactly those bytes, at the size they plan, has that header: the bytes are compared
-    instead of parsed and checked (the same guarantees, a fraction of the work); any other file
-    goes through the full parse, which names what differs."""
-    if expected is not None:
-        n = len(expected.raw)
-        if size == 8 + n + expected.data_bytes and os.pread(fd, 8 + n, 0) == n.to_bytes(8, "little") + expected.raw:
-            return Header(expected.entries, dict(expected.metadata), 8 + n, size)
+    whose header's JSON is those bytes followed by nothing but the spaces that pad a header (a
+    single file's header is padded to the room its writer reserved), at the size they plan, has
+    that header: the bytes are compared instead of parsed and checked (the same guarantees, a
+    fraction of the work); any other file goes through the full parse, which names what differs."""
+    if expected is not None and _is_planned(fd, size, expected):
+        return Header(expected.entries, dict(expected.metadata), size - expected.data_bytes, size)
     with gc_paused():
         return _read_header(fd, path, size)
+
+
+def _is_planned(fd: int, size: int, expected: PlannedHeader) -> bool:
+    """Whether the file holds ``expected``'s header, space-padded, and its data section's size."""
+    n = len(expected.raw)
+    head = os.pread(fd, 8 + n, 0)
+    room = int.from_bytes(head[:8], "little") if len(head) == 8 + n else -1
+    if room < n or room > MAX_HEADER_BYTES or size != 8 + room + expected.data_bytes \
+            or not head.startswith(expected.raw, 8):
+        return False
+    pad = os.pread(fd, room - n, 8 + n) if room > n else b""
+    return len(pad) == room - n and not pad.strip(b" ")
+
+
+def header_json(fd: int, path: str, size: int) -> bytes:
+    """The JSON of the safetensors header of the file open at ``fd`` (``size`` bytes long), read in
+    one piece: its length must fit the file and :data:`MAX_HEADER_BYTES` (else
+    :class:`CheckpointFileError`), so what is read is bounded by both. Not yet parsed or checked."""
+    head = os.pread(fd, 8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or n > MAX_HEADER_BYTES or n > size - 8:
+        raise CheckpointFileError(f"safetensors header length {n} does not fit the file ({size} bytes)", file=path)
+    return _pread_exact(fd, n, 8, path)
 
 
 def _read_header(fd: int, path: str, size: int) -> Header:
@@ -265,11 +287,8 @@ def _read_header(fd: int, path: str, size: int) -> Header:
     def fail(message: str, field: str | None = None):
         raise CheckpointFileError(message, file=path, field=field)
 
-    head = os.pread(fd, 8, 0)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if n < 2 or n > MAX_HEADER_BYTES or n > size - 8:
-        fail(f"safetensors header length {n} does not fit the file ({size} bytes)")
-    raw = _pread_exact(fd, n, 8, path)
+    raw = header_json(fd, path, size)
+    n = len(raw)
     try:
         header = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -709,9 +728,14 @@ def layout(items: list[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
     return Layout(entries, text, ends[-1] if ends else 0)
 
 
+def _metadata_json(metadata: Mapping[str, str]) -> str:
+    """The ``__metadata__`` member of a header te-serial writes (compact ``json.dumps``)."""
+    return '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))
+
+
 def header_bytes(planned: Layout, metadata: Mapping[str, str] | None, pad_to: int = 0) -> bytes:
     """A safetensors header (JSON, space-padded so the data starts 8-aligned, at least ``pad_to`` long)."""
-    head = "" if metadata is None else '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))
+    head = "" if metadata is None else _metadata_json(metadata)
     raw = ("{" + ",".join(p for p in (head, planned.entries_json) if p) + "}").encode("utf-8")
     size = max(len(raw), pad_to)
     size += (-size) % 8
@@ -737,6 +761,28 @@ def planned_header(items: list[tuple[str, tuple[int, ...], torch.dtype]],
     if len(planned.entries) != len(items):
         return None
     return PlannedHeader(header_bytes(planned, metadata), planned.entries, dict(metadata or {}), planned.data_bytes)
+
+
+#: the characters a JSON string holds as they are, in ``json.dumps``' ASCII output (no escape)
+_JSON_PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
+
+
+def leading_metadata(raw: bytes, key: str) -> str | None:
+    """``__metadata__[key]`` of a header whose JSON ``raw`` begins as :func:`header_bytes` writes a
+    header whose metadata is that one key — ``{"__metadata__":{"<key>":"<value>"}`` then ``,`` or
+    ``}`` — with a value of plain printable ASCII (no escape): read without a parse (a single
+    file's manifest, before its header is checked; the value's own size bounds the work). Where
+    the whole header is valid, this is the value its parse gives (a duplicate ``__metadata__``
+    later on is refused by that parse). None where the header begins otherwise: parse it."""
+    member = _metadata_json({key: ""}).encode("ascii")  # "__metadata__":{"<key>":""}
+    start = 1 + len(member) - 2
+    if not raw.startswith(b"{" + member[:-2]):
+        return None
+    end = raw.find(b'"', start)
+    if end < 0 or raw[end + 1:end + 2] != b"}" or raw[end + 2:end + 3] not in (b",", b"}"):
+        return None
+    value = raw[start:end]
+    return None if value.translate(None, _JSON_PLAIN) else value.decode("ascii")
 
 
 class _PlannedFile:

@@ -366,6 +366,8 @@ class Manifest:
         """Bytes of all buffers (tied tensors counted once)."""
         per_proto = [sum(math.prod(s) * d.itemsize for s, d in expected_buffers(p).values()) if p is not None else 0
                      for p in self.protos]
+        if not (self.aliases or self.chunks or self.skipped):  # every row stored whole: a column at a time
+            return sum(map(per_proto.__getitem__, self.proto_index))
         total = 0
         for i in self._index.values():
             if i in self.aliases:

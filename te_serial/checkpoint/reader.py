@@ -1,10 +1,14 @@
 """Reading checkpoints: ``te_serial.open`` (lazy handle), ``load_quantized``, ``read_protos``, ``verify``.
 
 Order of work on open: read and validate the manifest (schema, registry, prototype ↔ buffer
-agreement), check every file's size against the manifest, then — before any buffer is touched —
-check each file's safetensors header (the one validator in :mod:`.files`; keys, dtypes, shapes)
-against the manifest. On CPU, buffers are views of the file's private mmap (no copy); for another
-device they are copied into buffers allocated from the tensor's prototype.
+agreement) — a single file's from its header's metadata — and check every file's size against the
+manifest. Then, at the first read of a file's buffers (or by ``verify``), before any of its buffers
+is touched, its safetensors header is checked against the manifest: compared with the header
+te-serial's writer plans from the manifest, or else parsed and checked (the one validator in
+:mod:`.files`; keys, dtypes, shapes). A directory's shards and a single file go the same way; only
+a single file whose header te-serial did not format is parsed, and checked, at open (its manifest
+is found by the parse). On CPU, buffers are views of the file's private mmap (no copy); for
+another device they are copied into buffers allocated from the tensor's prototype.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from ..formats.tensors import QuantizedTensorStorage
 from ..formats.protocol import flatten_2d
 from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
-from .files import (SHARD_METADATA, PlannedHeader, SafetensorsFile, checksum, gc_paused, open_regular,
-                    planned_header)
+from .files import (SHARD_METADATA, PlannedHeader, SafetensorsFile, checksum, gc_paused, header_json,
+                    leading_metadata, open_regular, planned_header)
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
                        expected_buffers, format_checksum, region_shapes)
 
@@ -102,30 +106,63 @@ class Checkpoint:
         self._by_file: dict[str, list] | None = None
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
         self._held: dict[str, tuple[int, int]] = {}  # file → (descriptor, size) opened with the manifest
+        self._self_metadata: dict[str, str] | None = None  # a single file's header metadata (its manifest)
         self._closed = False
         if self.path.is_dir():
             self.root = self.path
             self._open_snapshot(strict)
         elif self.path.exists():
             self.root = self.path.parent
-            f = SafetensorsFile(self.path, follow_symlinks=True)  # the path the caller named
-            self._files[SELF_FILE] = f
-            if HEADER_KEY not in f.metadata:
-                raise ManifestError("safetensors file has no te-serial manifest in its header "
-                                    "(use te_serial.convert to import plain safetensors)", file=str(self.path))
-            try:
-                data = base64.b64decode(f.metadata[HEADER_KEY], validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ManifestError(f"manifest in header is not base64: {e}", file=str(self.path)) from None
-            self.manifest = Manifest.from_bytes(data, source=str(self.path), strict=strict, file_bytes=f.size)
-            if self.manifest.files:
-                raise ManifestError("a single-file checkpoint must not list other files", file=str(self.path),
-                                    field="files")
-            self._check_header(SELF_FILE, f)
+            self._open_single(strict)
         else:
             raise CheckpointFileError("no such checkpoint", file=str(self.path))
         self._protos = self.manifest.protos_by_name()
         self._metadata = MappingProxyType(self.manifest.metadata)
+
+    def _open_single(self, strict: bool) -> None:
+        """A single file: its manifest, read from the header's ``__metadata__``, and the file held.
+
+        Where the header begins as te-serial writes it (:func:`.files.leading_metadata`) and the
+        file's size is its header's plus the bytes the manifest describes, the manifest is taken
+        from there without a parse, and the rest of the header is checked at the first read, as a
+        directory's shards are (compared with the header the writer plans from the manifest, else
+        parsed and checked: :meth:`_file`). Any other file (another writer's formatting, a size
+        that does not add up) has its header parsed and checked whole now."""
+        fd, size = open_regular(self.path, follow_symlinks=True)  # the path the caller named
+        self._held[SELF_FILE] = (fd, size)
+        try:
+            raw = header_json(fd, str(self.path), size)
+            header_end = 8 + len(raw)
+            value = leading_metadata(raw, HEADER_KEY)
+            del raw
+            parsed = None
+            if value is None:
+                parsed = self._parse_single()
+                value = parsed.metadata.get(HEADER_KEY)
+                if value is None:
+                    raise ManifestError("safetensors file has no te-serial manifest in its header "
+                                        "(use te_serial.convert to import plain safetensors)", file=str(self.path))
+            try:
+                data = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ManifestError(f"manifest in header is not base64: {e}", file=str(self.path)) from None
+            self.manifest = Manifest.from_bytes(data, source=str(self.path), strict=strict, file_bytes=size)
+            if self.manifest.files:
+                raise ManifestError("a single-file checkpoint must not list other files", file=str(self.path),
+                                    field="files")
+            self._self_metadata = {HEADER_KEY: value}  # the header's metadata, for its planned header
+            if parsed is None and size != header_end + self.manifest.nbytes():
+                parsed = self._parse_single()  # its data section is not the manifest's buffers alone
+            if parsed is not None:
+                self._check_header(SELF_FILE, parsed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse_single(self) -> SafetensorsFile:
+        """The single file held at open, its header parsed and checked now (the full parse)."""
+        f = self._files[SELF_FILE] = SafetensorsFile(self.path, fd=self._held.pop(SELF_FILE))
+        return f
 
     def _read_manifest(self, path: Path) -> bytes:
         try:
@@ -218,7 +255,7 @@ class Checkpoint:
                 raise CheckpointError("the checkpoint handle is closed", file=str(self._file_path(name)))
             f = SafetensorsFile(self._file_path(name), fd=held, expected=self._planned_header(name))
             try:
-                if f.size != self.manifest.files[name]:
+                if name != SELF_FILE and f.size != self.manifest.files[name]:  # a single file's own size
                     raise CheckpointFileError(f"file is {f.size} bytes, the manifest says {self.manifest.files[name]}",
                                               file=str(f.path))
                 if not f.as_planned:  # its entries are the manifest's by construction when it is
@@ -236,11 +273,10 @@ class Checkpoint:
         return self._by_file.get(name, [])
 
     def _planned_header(self, name: str) -> PlannedHeader | None:
-        """The header te-serial's writer gives a shard holding the manifest's buffers of that file."""
-        if name == SELF_FILE:
-            return None  # a single file's header holds the manifest: it is parsed anyway
+        """The header te-serial's writer gives a file holding the manifest's buffers of that file:
+        a shard's metadata is :data:`.files.SHARD_METADATA`, a single file's the manifest it carries."""
         return planned_header([(key, shape, dtype) for _, _, key, shape, dtype in self._wanted(name)],
-                              SHARD_METADATA)
+                              self._self_metadata if name == SELF_FILE else SHARD_METADATA)
 
     def _check_header(self, name: str, f: SafetensorsFile) -> None:
         """Every buffer the manifest puts in this file is there, with the manifest's dtype and shape."""
@@ -564,7 +600,10 @@ class Checkpoint:
                             file=str(self.path))
 
     def verify(self) -> int:
-        """Check every buffer against its checksum; returns the number of buffers checked."""
+        """Check every file's header against the manifest (one that holds no buffer too) and every
+        buffer against its checksum; returns the number of buffers checked."""
+        for name in self.manifest.files or [SELF_FILE]:
+            self._file(name)
         checked = 0
         for name in self.manifest.tensors:
             if self.manifest.chunks and self.manifest.is_chunked(name):
