@@ -105,7 +105,7 @@ from .checkpoint.files import release_pages
 from .checkpoint.manifest import MANIFEST_NAME, VERSION, expected_buffers
 from .checkpoint.reader import Checkpoint
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
-from .errors import CheckpointError, ConversionError, FormatError, ShapeError, UnsupportedOperationError
+from .errors import CheckpointError, ConversionError, FormatError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
 from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, choose_weights
 from .proto import to_tensor_proto

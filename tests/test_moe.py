@@ -7,7 +7,6 @@ the per-expert checkpoints ``save_pretrained`` and ``convert`` write.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -463,7 +462,7 @@ def test_activation_amax_records_each_experts_input_under_its_export_name(arch, 
     assert any("no calibrated input amax" in n for n in rep.notes)  # the all-zero expert got its layer's max
     keys, _ = _export_keys_and_config(tmp_path / "out")
     layer = f"model.layers.0.{module}.experts"
-    for e in range(experts[f"model.layers.0.mlp.experts"].num_experts):
+    for e in range(experts["model.layers.0.mlp.experts"].num_experts):
         for p in (gate, up, down):
             assert f"{layer}.{e}.{p}.input_scale" in keys, (e, p)
     downs = [keys[f"{layer}.{e}.{down}.input_scale"] for e in range(4)]

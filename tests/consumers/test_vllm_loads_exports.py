@@ -27,21 +27,11 @@ Needs vLLM: ``pip install --no-deps -c constraints.txt -r tests/consumers/requir
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import json
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.consumers,
-    # CI installs it (tests/consumers/requirements.txt): never skipped there
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                       reason="vLLM not installed: pip install --no-deps -c constraints.txt -r "
-                              "tests/consumers/requirements.txt"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
 
 LAYOUTS = ["modelopt_nvfp4", "compressed_tensors_nvfp4", "modelopt_fp8", "compressed_tensors_fp8_tensor",
            "compressed_tensors_fp8", "modelopt_mxfp8", "compressed_tensors_mxfp8", "modelopt_fp8_pb_wo",

@@ -14,21 +14,11 @@ transformers' in-memory 3-D names, which vLLM's Qwen3-MoE loader took with scale
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 import te_serial as ts
-
-pytestmark = [
-    pytest.mark.consumers,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                       reason="vLLM not installed: pip install --no-deps -c constraints.txt -r "
-                              "tests/consumers/requirements.txt"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
 
 
 def _values(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
