@@ -467,3 +467,28 @@ def test_activation_amax_records_each_experts_input_under_its_export_name(arch, 
             assert f"{layer}.{e}.{p}.input_scale" in keys, (e, p)
     downs = [keys[f"{layer}.{e}.{down}.input_scale"] for e in range(4)]
     assert torch.equal(keys[f"{layer}.1.{down}.input_scale"], max(downs, key=float))  # the layer's max amax
+
+
+def test_a_deepseek_v3_block_fp8_checkpoint_loads_into_the_3d_experts_without_a_bf16_copy(tmp_path):
+    """DeepSeek-V3's own layout (E4M3 weights + weight_scale_inv per 128×128 block, one key per
+    expert): load_into reads it into the model's 3-D experts as blockwise FP8, exactly (the gate's
+    128 rows end on a block), no BF16 round trip."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=2, topk_group=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    ts.quantize_model(model, "fp8_block", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "ds", recipe="deepseek_fp8")   # DeepSeek's own keys and scales
+    keys, _ = _export_keys_and_config(tmp_path / "ds")
+    assert "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv" in keys
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    ts.quantize_model(meta, "fp8_block", columnwise=False)
+    rep = ts.load_into(meta, tmp_path / "ds").te_serial_report
+    assert_same_model(meta, model)
+    row = next(t for t in rep.tensors if t.name == "model.layers.1.mlp.experts.gate_up_proj")
+    assert row.method in ("copy", "relayout", "keep") and row.label == "lossless", (row.method, row.label)

@@ -4,7 +4,7 @@
   DeepSeek-V3 and gpt-oss-20b built from their published shapes; the share of all parameters
   ``quantize_model`` quantizes, beside the share of 2-D and 3-D weights outside embeddings, output
   heads, norms and routers (classified here by name, independently of te-serial's rule).
-* **Paths** (``--gib`` of BF16, a Qwen3-MoE-shaped model and a Llama of the same bytes; one child
+* **Paths** (``--gib`` of BF16, a Qwen3-MoE model and a dense Qwen3 of the same bytes; one child
   process per run, median of ``--repeat``): quantize on load (``quantize_model`` on ``meta`` +
   ``load_into`` of the ``save_pretrained`` directory), ``save_quantized`` of the quantized model,
   and ``load_into`` of that checkpoint; wall time, and peak RSS added by the load over the bytes
@@ -116,14 +116,15 @@ print(json.dumps({"s": secs, "added": rss("VmHWM") - base, "kept": kept}))
 
 
 def _configs(gib: float) -> dict[str, tuple[str, dict]]:
-    """A Qwen3-MoE-shaped model and a Llama of about ``gib`` GiB of BF16 each (vocab small)."""
+    """A Qwen3-MoE model and its dense sibling, a Qwen3 of the same dims and bytes (the experts' 16 × 256
+    intermediate = the dense MLP's 4096), about ``gib`` GiB of BF16 each (vocab small)."""
     h, inter, layers = 1024, 4096, None
     dense_layer = 2 * (4 * h * h + 3 * h * inter)
     layers = max(1, round(gib * 2**30 / dense_layer))
     experts, moe_inter = 16, 256   # 16 × 3 × h × 256 = the dense MLP's 3 × h × 4096
     common = dict(vocab_size=1024, hidden_size=h, num_hidden_layers=layers, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=128)
-    return {"dense": ("LlamaConfig", dict(common, intermediate_size=inter)),
+    return {"dense": ("Qwen3Config", dict(common, intermediate_size=inter)),
             "moe": ("Qwen3MoeConfig", dict(common, intermediate_size=inter, moe_intermediate_size=moe_inter,
                                            num_experts=experts, num_experts_per_tok=2))}
 

@@ -43,7 +43,7 @@ import torch
 from ..errors import (CheckpointError, CheckpointFileError, ConversionError, FormatError, ManifestError, ShapeError,
                       UnknownLayoutError)
 from ..proto import TensorProto, to_tensor_proto
-from ..checkpoint.files import TMP_PREFIX, SafetensorsFile
+from ..checkpoint.files import TMP_PREFIX, SafetensorsFile, release_pages
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.writer import SHARD_NAME
@@ -762,20 +762,25 @@ class FusedExpertsView(Source):
         if "experts" not in st.keys:
             return self.inner.load(name)
         g = st.quantizer
+        if g is None:  # plain experts: copied once into the stack, each source's file pages let go
+            out = torch.empty(st.shape, dtype=st.dtype)
+            for i, parts in enumerate(st.keys["experts"]):
+                r = 0
+                for n in parts:
+                    t = self.inner.load(n)
+                    out[i, r:r + t.shape[0]] = t
+                    r += t.shape[0]
+                    release_pages(t)
+            return out
         members = []
         for parts in st.keys["experts"]:
             loaded = [self.inner.load(n) for n in parts]
-            if g is None:
-                members.append(torch.cat(loaded) if len(loaded) > 1 else loaded[0])
-                continue
             try:
                 _, bufs = join_rows(g.member, [(t.logical_shape, t.buffers()) for t in loaded])
             except (FormatError, ShapeError) as e:
                 raise ConversionError(f"cannot stack {' and '.join(parts)} into {name} exactly: {e}",
                                       tensor=name) from None
             members.append(bufs)
-        if g is None:
-            return torch.stack(members)
         return GroupedTensor(g.group_shape, st.dtype, g, **g.merge_buffers(members))
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:

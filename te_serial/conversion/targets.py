@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import json
 import os
 from pathlib import Path
@@ -196,6 +197,7 @@ def describe_dtype(dtype: torch.dtype) -> str:
     return _SHORT_DTYPES.get(dtype) or dtype_name(dtype)
 
 
+@functools.lru_cache(maxsize=1024)
 def describe_quantizer(q: Quantizer) -> str:
     """The recipe name whose layout ``q`` has (``mxfp8``, ``fp8_block`` …), else the format's
     descriptive layout name."""

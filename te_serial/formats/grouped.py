@@ -382,12 +382,33 @@ class GroupedQuantizer(Quantizer):
         return torch.cat([p.reshape(-1) for p in parts]).reshape(self._shape)
 
     def _quantize(self, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if self._quantizes_whole():
+            return self._quantize_whole(x)
         parts = self.split_values(x)
         if self.member is None:
             members = [{_PLAIN: p.to(self.dtype)} for p in parts]
         else:
             members = [self.member.quantize(p.contiguous(), internal=True).buffers() for p in parts]
         return self.merge_buffers(members)
+
+    def _quantizes_whole(self) -> bool:
+        """A stack whose members the member format can quantize as one [E × out, in] tensor, giving each
+        member the bytes it gets alone: every scale per block (nothing tensor-wide: no per-tensor scale, no
+        tensor amax, no delayed-scaling state) and every member's rows ending on the format's blocks."""
+        m = self.member
+        return (m is not None and self._stacked() and not m.takes_tensor_amax() and not m.scale_per_tensor
+                and not m.data_dependent and self.member_shapes[0][0] % m.slice_alignment()[0] == 0)
+
+    def _quantize_whole(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One quantize of the stacked members (fewer, larger kernel calls), then each member's buffers
+        as its rows' slice (``slice_buffers``: compact scales, as the member alone has them)."""
+        from .slicing import slice_buffers
+        rows, k = self.member_shapes[0]
+        stacked = (x.transpose(1, 2) if self.transposed else x).reshape(-1, k)
+        whole = self.member.quantize(stacked.contiguous(), internal=True)
+        shape = tuple(whole.logical_shape)
+        return self.merge_buffers([slice_buffers(self.member, whole.buffers(), shape, rows=(i * rows, (i + 1) * rows))[1]
+                                   for i in range(self.num_tensors)])
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         parts = [m.float() if self.member is None else m.dequantize(torch.float32)
