@@ -406,13 +406,19 @@ class GroupedQuantizer(Quantizer):
         rows, k = self.member_shapes[0]
         stacked = (x.transpose(1, 2) if self.transposed else x).reshape(-1, k)
         whole = self.member.quantize(stacked.contiguous(), internal=True)
-        shape = tuple(whole.logical_shape)
-        return self.merge_buffers([slice_buffers(self.member, whole.buffers(), shape, rows=(i * rows, (i + 1) * rows))[1]
+        shape, bufs = tuple(whole.logical_shape), whole.buffers()
+        return self.merge_buffers([slice_buffers(self.member, bufs, shape, rows=(i * rows, (i + 1) * rows))[1]
                                    for i in range(self.num_tensors)])
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
-        parts = [m.float() if self.member is None else m.dequantize(torch.float32)
-                 for m in self.split_buffers(buffers, internal=True)]
+        members = self.split_buffers(buffers, internal=True)
+        if self._quantizes_whole():  # one dequantize of the stack [E × out, in], the members' rows joined
+            from .slicing import join_rows
+            whole_shape, whole = join_rows(self.member, [(m.logical_shape, m.buffers()) for m in members])
+            values = self.member.dequantize_buffers(whole, whole_shape, torch.float32)
+            values = values.reshape(self.num_tensors, *self.member_shapes[0])
+            return values.transpose(1, 2) if self.transposed else values
+        parts = [m.float() if self.member is None else m.dequantize(torch.float32) for m in members]
         return self.join_values(parts)
 
     # --- merge and split (exact: the members' bytes) -------------------------------------------
