@@ -52,3 +52,36 @@ def test_vllm_holds_te_serial_expert_values(arch, layout, tmp_path):
             have = _values(got[vllm_name], got[f"{vllm_name}_scale"])
             assert have.shape == want.shape
             assert torch.equal(have.view(torch.int16), want.view(torch.int16)), (layer, vllm_name)
+
+
+@pytest.mark.parametrize("layout", ["modelopt_nvfp4", "compressed_tensors_nvfp4"])
+def test_vllm_holds_te_serial_nvfp4_expert_codes_scales_and_one_global_scale_per_expert(layout, tmp_path):
+    """A static (W4A4) NVFP4 MoE export, calibrated with ActivationAmax: vLLM's FusedMoE loaders hold
+    each expert's E2M1 codes and E4M3 block scales byte for byte (gate rows, then up rows: the
+    te-serial expert's own order), and one global scale per expert (gate and up share it) equal to
+    te-serial's amax / (6 × 448), within vLLM's own fp32 rounding of the layout's convention (1 ulp)."""
+    from te_serial.conversion import ActivationAmax
+    from test_moe import build
+    from vllm_harness import load_experts_with_vllm
+    model = ts.quantize_model(build("qwen3_moe"), "nvfp4", columnwise=False)
+    with ActivationAmax(model) as cal, torch.no_grad():
+        model(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(5)))
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=cal.amax)
+    held = load_experts_with_vllm(tmp_path / "out")
+    ours = dict(model.named_parameters())
+    assert len(held) == 2
+    for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
+        got = next(v for k, v in held.items() if k.startswith(layer + "."))
+        assert "Nvfp4" in got["quant_method"] or "NvFp4" in got["quant_method"], got["quant_method"]
+        for vllm_name, ours_name in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+            t = ours[f"{layer}.experts.{ours_name}"]
+            for e, member in enumerate(t.members()):
+                bufs = member.buffers()
+                rows, k = member.shape
+                assert torch.equal(got[vllm_name][e].view(torch.uint8), bufs["_rowwise_data"].view(torch.uint8))
+                scale = got[f"{vllm_name}_scale"][e].view(torch.uint8)
+                assert torch.equal(scale, bufs["_rowwise_scale_inv"][:rows, :k // 16].view(torch.uint8))
+                g = got[f"{vllm_name}_scale_2"].reshape(t.shape[0], -1)[e].float()
+                want = bufs["_amax_rowwise"].float().reshape(()) / (6.0 * 448.0)
+                assert torch.all((g - want).abs() <= torch.finfo(torch.float32).eps * want.abs()), (layer, e)

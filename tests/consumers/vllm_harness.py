@@ -47,6 +47,11 @@ Stubs (everything else is vLLM's own code):
    ``e4m3_rne(clamp(float(x) * (1.0f / scale), -448, 448))``, per-tensor scale only (the only use
    here). Registered only if ``_C`` lacks it.
 
+7. MoE kernel choice, NVFP4: vLLM's NVFP4 MoE oracle finds no backend on CPU; the harness lets
+   its own ``Nvfp4QuantizationEmulationTritonExperts`` (the EMULATION backend) report the CPU as a
+   supported device, nothing else changed. Its post-load step keeps the packed E2M1 weights and the
+   E4M3 block scales as loaded, and one ``w13_weight_scale_2`` per expert (gate and up share it).
+
 Distributed: a single-process gloo group (world size 1, TP=1, PP=1) is created for each load and
 torn down after it, so nothing stays initialized for other tests in the same process.
 """
@@ -122,6 +127,11 @@ def _patch_vllm() -> None:
 
         lib.impl("static_scaled_fp8_quant", static_scaled_fp8_quant, "CPU")
         _LIBS.append(lib)  # keep the registration alive
+    # stub 7: vLLM's own NVFP4 emulation MoE experts (dequantize, then its Triton-free torch path)
+    # allowed on the CPU platform, as the MXFP8 emulation experts already are
+    from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+        Nvfp4QuantizationEmulationTritonExperts)
+    Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
     _PATCHED = True
 
 
