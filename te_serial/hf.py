@@ -107,7 +107,7 @@ from .checkpoint.reader import Checkpoint
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
 from .errors import CheckpointError, ConversionError, FormatError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
-from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, choose_weights
+from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, choose_weights, chosen_linears
 from .proto import to_tensor_proto
 from .recipes import RECIPES, recipe_quantizer
 
@@ -357,9 +357,8 @@ class TeSerialHfQuantizer(HfQuantizer):
         chosen = {n: c for n, c in choose_weights(model, q).items() if not _matches(c.module_name, cfg.exclude)}
         self._to_quantize = {n: (c.module_name, c.quantizer) for n, c in chosen.items()}
         if q.takes_tensor_amax():
-            linears = {c.module_name: c.weight for c in chosen.values() if c.attr == "weight" and c.weight.dim() == 2}
             groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), cfg.fused)
-            for members in fusion.fused_groups(linears, groups, suffix=""):
+            for members in fusion.fused_groups(chosen_linears(chosen), groups, suffix=""):
                 self._group_of.update({m: members for m in members})
         self._files = [str(f) for f in checkpoint_files or []]
 

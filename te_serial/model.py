@@ -511,9 +511,8 @@ def _as_model_names(source, slots: dict):
     model's 3-D expert parameters where the model has those and the checkpoint does not
     (:class:`~te_serial.conversion.sources.FusedExpertsView`), else ``source`` itself."""
     from .conversion.sources import FusedExpertsView
-    from .moe import plan_fused
-    fused, renamed = plan_fused(source.tensors, slots)
-    return FusedExpertsView(source, slots) if fused or renamed else source
+    view = FusedExpertsView(source, slots)
+    return view if view.changes else source
 
 
 def _choose_steps(slots: dict, found: dict, derive_usages: bool, strict: bool, path) -> tuple[dict, dict[int, str]]:
@@ -682,6 +681,11 @@ def choose_weights(model: nn.Module, q: Quantizer, *, include: Sequence[str] = (
     return out
 
 
+def chosen_linears(chosen: dict[str, Chosen]) -> dict[str, torch.Tensor]:
+    """Module name → weight of the linear layers among ``chosen`` (what fused groups are made of)."""
+    return {c.module_name: c.weight for c in chosen.values() if c.attr == "weight" and c.weight.dim() == 2}
+
+
 def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequence[str] = ("*",),
                    exclude: Sequence[str] | None = None, module_types: tuple[type, ...] = (nn.Linear,),
                    columnwise: bool | None = None, fused: str | Sequence[Sequence[str]] | None = "auto") -> nn.Module:
@@ -713,8 +717,7 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
     q = recipe if isinstance(recipe, Quantizer) else recipe_quantizer(recipe, rowwise=True, columnwise=col)
     _tie_hf(model)
     chosen = choose_weights(model, q, include=include, exclude=exclude, module_types=module_types)
-    linears = {c.module_name: c.weight for c in chosen.values() if c.attr == "weight" and c.weight.dim() == 2}
-    shared = _shared_amax(model, q, linears, fused)
+    shared = _shared_amax(model, q, chosen_linears(chosen), fused)
     done: dict[int, nn.Parameter] = {}
     for name, c in chosen.items():
         w = c.weight

@@ -700,13 +700,15 @@ class FusedExpertsView(Source):
     (``experts.gate_up_proj``, ``experts.down_proj``): plain experts stacked, quantized ones packed
     exactly into a grouped tensor whose members are each expert's gate rows then up rows (the
     format's ``join_rows``: refused, naming the block rule, where it is not exact). ``wanted``: the
-    model's names; what :func:`te_serial.moe.plan_fused` maps is replaced, the rest passes through."""
+    model's names; what :func:`te_serial.moe.plan_fused` maps is replaced, the rest passes through
+    (``changes``: whether anything was)."""
 
     def __init__(self, inner: Source, wanted) -> None:
         from ..moe import plan_fused
         self.__dict__.update(inner.__dict__)  # config, files, notes, activation amax… are the source's
         self.inner, self.layout = inner, inner.layout
         fused, renamed = plan_fused(inner.tensors, wanted)
+        self.changes = bool(fused or renamed)
         consumed = {n for f in fused for parts in f.parts for n in parts} | set(renamed.values())
         self.tensors = {n: st for n, st in inner.tensors.items() if n not in consumed}
         self._renamed = renamed
@@ -726,6 +728,7 @@ class FusedExpertsView(Source):
 
     def _fused_proto(self, f) -> TensorProto:
         from ..formats.grouped import GroupedQuantizer
+        from ..formats.slicing import check_row_join
         first = self.inner.tensors[f.parts[0][0]].proto
         protos = [[self.inner.tensors[n].proto for n in parts] for parts in f.parts]
         where = f"{f.parts[0][0]} … {f.parts[-1][-1]}"
@@ -740,13 +743,12 @@ class FusedExpertsView(Source):
         q = first.quantizer
         if q is None:
             return TensorProto((len(protos), *shape), first.dtype)
-        align = q.slice_alignment()[0]
-        for p in protos[0][:-1]:
-            if p.shape[0] % align:
-                raise ConversionError(f"cannot stack {where} into {f.name} exactly: {p.shape[0]} rows are not a "
-                                      f"multiple of {q.layout_name()}'s row blocks of {align} (stacked, a block would "
-                                      "mix gate and up rows); load the checkpoint into a model that keeps them apart, "
-                                      "or convert it from high precision", tensor=f.name)
+        try:
+            check_row_join(q, [p.shape[0] for p in protos[0]])
+        except FormatError as e:
+            raise ConversionError(f"cannot stack {where} into {f.name} exactly: {e}; load the checkpoint into a "
+                                  "model that keeps gate and up apart, or convert it from high precision",
+                                  tensor=f.name) from None
         try:
             g = GroupedQuantizer(member=q, member_shapes=[shape] * len(protos))
         except (FormatError, ShapeError) as e:

@@ -219,7 +219,7 @@ class GroupedQuantizer(Quantizer):
         """Grouped buffer → (first element, element count) of member ``i``'s part."""
         if not 0 <= i < self.num_tensors:
             raise ShapeError(f"member {i} out of range: the group has {self.num_tensors} members")
-        return {g: (o[i], o[i + 1] - o[i]) for g, o in self._lay().offsets.items()}
+        return self.member_span(i, i + 1)[1]
 
     def assemble_member(self, i: int, parts: Mapping[str, torch.Tensor], fake_dtype: torch.dtype, *,
                         requires_grad: bool = False) -> torch.Tensor:
@@ -303,8 +303,8 @@ class GroupedQuantizer(Quantizer):
         """Grouped buffer → (offset, size) of members ``rows // a`` (a range of whole members of a
         stack: see :meth:`slice_alignment`) in its flat buffer."""
         per = self._shape[1]
-        i0, i1 = rows[0] // per, -(-rows[1] // per)
-        return {g: ((o[i0],), (o[i1] - o[i0],)) for g, o in self._lay().offsets.items()}
+        spans = self.member_span(rows[0] // per, -(-rows[1] // per))[1]
+        return {g: ((first,), (count,)) for g, (first, count) in spans.items()}
 
     def data_buffers(self) -> frozenset[str]:
         member_data = self.member.data_buffers() if self.member is not None else {_PLAIN}

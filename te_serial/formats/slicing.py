@@ -231,6 +231,16 @@ def _row_dim(q: Quantizer) -> dict[str, int | None]:
     return out
 
 
+def check_row_join(q: Quantizer, row_counts) -> None:
+    """Raise :class:`~te_serial.FormatError` unless parts of these row counts stack exactly: every part
+    but the last ends on the format's row blocks (``slice_alignment``)."""
+    align = q.slice_alignment()[0]
+    for i, m in enumerate(list(row_counts)[:-1]):
+        if m % align:
+            raise FormatError(f"part {i} has {m} rows, not a multiple of {q.layout_name()}'s row blocks of {align}: "
+                              "stacked, its last block would mix rows of two parts (requantizing)")
+
+
 def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
     """(shape, buffers) of the tensors ``parts`` (``(shape, buffers)`` pairs of one quantizer, equal
     column counts) stacked along rows, exactly: the inverse of slicing by rows (a fused gate/up
@@ -245,11 +255,7 @@ def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Ten
     k = dims[0][1]
     if any(kk != k for _, kk in dims):
         raise ShapeError(f"parts to stack by rows have different column counts {[kk for _, kk in dims]}")
-    align = q.slice_alignment()[0]
-    for i, (m, _) in enumerate(dims[:-1]):
-        if m % align:
-            raise FormatError(f"part {i} has {m} rows, not a multiple of {q.layout_name()}'s row blocks of {align}: "
-                              "stacked, its last block would mix rows of two parts (requantizing)")
+    check_row_join(q, [m for m, _ in dims])
     shape = (sum(m for m, _ in dims), k)
     specs = q.describe_buffers(shape)
     along = _row_dim(q)
