@@ -63,19 +63,27 @@ take quantize_model's shared amax: the first member quantized reads its group pa
 checkpoint files (cast to the load dtype, as transformers casts them) and computes it with
 quantize_model's own code; the partners then use it, so a group costs one extra read of its members.
 
-MoE models (transformers 5's Qwen2-MoE and its kin): the experts are one module with 3-D parameters
-(``experts.gate_up_proj``, ``experts.down_proj``), not ``nn.Linear`` weights, so te-serial keeps them
-in high precision, as it keeps the router; the attention and shared-expert linears are quantized. A
-te-serial checkpoint holds the model's own names, so the conversion mapping (per-expert keys merged
-into the 3-D parameters) has nothing to merge; quantize on load of a BF16 directory with per-expert
-keys merges them as transformers does, into parameters that stay in high precision. Quantized tensors
-that a conversion would merge or rename (per-expert linears of a model built as transformers 4 built
-Qwen2-MoE) are refused by ``update_weight_conversions``: te-serial neither merges nor renames them.
+Checkpoints te-serial reads itself (``_read_itself``): quantized per-expert tensors (a ``te-serial
+convert`` output, a transformers-4-style MoE) that the model holds as 3-D experts, and quantized
+layouts of other tools — ``from_pretrained(dir, quantization_config=TeSerialConfig(...))`` of a
+DeepSeek FP8, ModelOpt or compressed-tensors directory. transformers would merge quantized bytes or
+give the layout to its own quantizer (it refuses two configs: ``te_serial.hf`` wraps its
+``merge_quantization_configs`` so that a ``TeSerialConfig`` passed for another layout's checkpoint is
+taken, the layout's quant_method kept in ``source_method``). te-serial opens the directory with
+:func:`te_serial.conversion.sources.open_source` (the importers ``convert`` and ``load_into`` use), sees
+it under the model's names (per-expert tensors joined exactly into grouped 3-D experts, or refused
+naming the block rule), and plans each tensor as ``load_into`` does: what the layout holds
+quantized keeps its values (``TeSerialConfig()``), or goes to the config's recipe exactly where the
+bytes allow (``TeSerialConfig(recipe=...)``), with the recipe's choice of weights quantized on the
+way in. ``SourceKeys``, a converter placed before the model's own, routes each such tensor's file keys
+by lookup: one small key per tensor triggers ``TeSerialRead`` (te-serial's tensor, on the device
+transformers reads that key to), a key with the parameter's own name is sent to it unread, the rest
+go nowhere (:data:`HELD_KEY`). transformers reads no quantized data and builds no BF16 copy of the
+experts; plain tensors load through transformers as usual.
 
 ``model.save_pretrained`` of a loaded model writes a te-serial directory (``te_serial.model``'s
 ``_te_serial_save_pretrained``: ``save_quantized`` plus ``generation_config.json``), which loads back
-to the same bytes. Not in this module yet: te-serial's grouped (MoE) tensors (TE ``GroupedLinear``
-weights), quantized tensors a conversion mapping would merge or rename, and disk offload.
+to the same bytes. Not in this module: disk offload.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ from torch import nn
 
 try:
     import transformers
-    from transformers.core_model_loading import ConversionOps
+    from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, apply_renamings
     from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
                                               register_quantization_config, register_quantizer)
     from transformers.quantizers.base import HfQuantizer
@@ -104,11 +112,13 @@ from . import fusion
 from .checkpoint.files import release_pages
 from .checkpoint.manifest import MANIFEST_NAME, VERSION, expected_buffers
 from .checkpoint.reader import Checkpoint
+from .conversion.sources import TeSerialSource
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
 from .errors import CheckpointError, ConversionError, FormatError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
-from .model import _guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, choose_weights, chosen_linears
-from .proto import to_tensor_proto
+from .model import (_guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, as_model_names, choose_weights,
+                    chosen_linears, plan_load, read_for_model, tensor_slots)
+from .proto import TensorProto, to_tensor_proto
 from .recipes import RECIPES, recipe_quantizer
 
 __all__ = ["TeSerialConfig", "TeSerialHfQuantizer", "QUANT_METHOD", "HF_INDEX_NAME"]
@@ -118,6 +128,10 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 _USAGES = ("rowwise", "columnwise")
 _FIELDS = ("recipe", "exclude", "usages", "fused", "format_version", "modules")
+#: where the checkpoint keys te-serial reads itself are sent in transformers' loop: no parameter,
+#: so transformers never reads them (and they are kept out of its "unexpected" report)
+HELD_KEY = "te_serial:held"
+_TRANSFORMERS_MERGE: Any = None   # transformers' own merge_quantization_configs, which ours wraps
 
 
 class TeSerialConfig(QuantizationConfigMixin):
@@ -149,6 +163,9 @@ class TeSerialConfig(QuantizationConfigMixin):
         self.fused = fused if fused is None or isinstance(fused, str) else [list(g) for g in fused]
         self.format_version = format_version if format_version is not None else f"{VERSION[0]}.{VERSION[1]}"
         self.modules = dict(modules) if modules is not None else None
+        #: the quant_method of the checkpoint's own config.json when it is another layout's (set by
+        #: from_pretrained, see :func:`_merge_quantization_configs`); not saved
+        self.source_method: str | None = None
         self.post_init()
 
     def post_init(self) -> None:
@@ -217,6 +234,50 @@ class TeSerialDeserialize(_Op):
         return {full_layer_name: self.hf_quantizer._read_quantized(full_layer_name, device, model)}
 
 
+class TeSerialRead(_Op):
+    """One model tensor of a checkpoint te-serial reads through its own importers (a layout
+    transformers would read otherwise, per-expert quantized experts): what ``load_into`` gives,
+    read when transformers reaches the tensor's one trigger key (``input_dict``: that key's tensor,
+    of which only the device is used)."""
+
+    def convert(self, input_dict: dict, full_layer_name: str | None = None, model: nn.Module | None = None,
+                **kwargs: Any) -> dict[str, nn.Parameter]:
+        first = next(iter(input_dict.values()))
+        device = (first[0] if isinstance(first, list) else first).device
+        return {full_layer_name: self.hf_quantizer._read_source(full_layer_name, device, model)}
+
+
+TRIGGER, NAMED, HELD = 0, 1, 2   # how SourceKeys routes a key (its source pattern's index)
+
+
+class SourceKeys(WeightConverter):
+    """The checkpoint keys te-serial reads itself, routed by lookup before the model's own
+    converters (a per-expert merge or a rename never sees them). ``route``: key (as the model's
+    renamings leave it) → (parameter, TRIGGER) for the one small key per tensor whose read tells
+    the parameter's device; (parameter, NAMED) for a key that has the parameter's own name (its
+    data: sent to the parameter, or transformers would load it as the weight, and never read);
+    (:data:`HELD_KEY`, HELD) for the rest, which transformers reads nowhere."""
+
+    def __init__(self, hf_quantizer: "TeSerialHfQuantizer", route: dict[str, tuple[str, int]]) -> None:
+        super().__init__(["te_serial:trigger", "te_serial:named", HELD_KEY], "te_serial:read",
+                         [TeSerialRead(hf_quantizer)])
+        self.route = route
+
+    def __deepcopy__(self, memo: dict) -> "SourceKeys":  # one per parameter: the table is shared
+        return SourceKeys(self.operations[0].hf_quantizer, self.route)
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        found = self.route.get(source_key)
+        if found is None:
+            return source_key, None
+        self._was_used = True
+        return found[0], self.source_patterns[found[1]]
+
+    def materialize_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self.collected_tensors.pop(self.source_patterns[NAMED], None)  # deferred reads, never run
+        return super().materialize_tensors()
+
+
 class TeSerialQuantize(_Op):
     """One high-precision weight, quantized as transformers hands it over."""
 
@@ -245,12 +306,14 @@ class TeSerialHfQuantizer(HfQuantizer):
         self._files: list[str] = []
         self._key_files: dict[str, str] | None = None
         self._q = None
+        # a checkpoint te-serial reads through its own importers (read_itself)
+        self._source = None                              # the source, as the model names its tensors
+        self._steps: dict[str, Any] = {}                 # name → load step (None: as it is)
+        self._file_keys: dict[str, list[str]] = {}       # name → the file keys holding it
+        self._chosen: set[str] = set()                   # names quantized to the recipe on the way in
 
     # --- before the model is built ----------------------------------------------------------------
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
-        if not self.pre_quantized and self.quantization_config.recipe is None:
-            raise FormatError("quantize on load needs a recipe: TeSerialConfig(recipe=...), one of "
-                              + ", ".join(RECIPES))
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise UnsupportedOperationError("te_serial.hf does not offload to disk; use device_map='cpu' or 'auto' "
                                             "without disk")
@@ -258,7 +321,8 @@ class TeSerialHfQuantizer(HfQuantizer):
     def update_attn_implementation(self, config: Any) -> Any:
         # the only hook that sees the config before transformers looks for the weight files; the
         # install hint a te-serial config.json carries there (HF_INSTALL_HINT) is for transformers alone
-        if self.pre_quantized and getattr(config, "transformers_weights", None) in (None, HF_INSTALL_HINT):
+        if self.pre_quantized and self.quantization_config.source_method is None \
+                and getattr(config, "transformers_weights", None) in (None, HF_INSTALL_HINT):
             config.transformers_weights = HF_INDEX_NAME
         return config
 
@@ -268,7 +332,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         if getattr(model.config, "transformers_weights", None) == HF_INDEX_NAME:
             del model.config.transformers_weights  # our pointer, not the model's config
         with torch.device("cpu"):  # transformers calls this under its meta-device init context
-            if self.pre_quantized:
+            if self.pre_quantized and self.quantization_config.source_method is None:
                 self._open(model, checkpoint_files)
             else:
                 self._plan(model, checkpoint_files)
@@ -289,7 +353,15 @@ class TeSerialHfQuantizer(HfQuantizer):
         # a hub snapshot's files are symlinks to its repository's blobs: followed there, and only there
         ckpt = Checkpoint(root, links_into=snapshot[0] / "blobs" if snapshot is not None else None)
         try:
-            self._serialized = self._keys(model, ckpt, checkpoint_files, root)
+            stray = sorted({Path(f).name for f in checkpoint_files} - set(ckpt.manifest.files))
+            if stray:
+                raise CheckpointError(f"{HF_INDEX_NAME} names shards {stray[:5]} that {MANIFEST_NAME} does not "
+                                      "(save the checkpoint again)", file=str(root))
+            quantized = {n: p for n, p in ckpt.protos.items() if p.quantizer is not None}
+            self._check_modules(quantized, root)
+            if self._read_itself(model, TeSerialSource(root, ckpt=ckpt), root):
+                return  # per-expert tensors into the model's 3-D experts: the source owns the checkpoint now
+            self._serialized = self._keys(model, quantized)
         except BaseException:
             ckpt.close()
             raise
@@ -308,15 +380,9 @@ class TeSerialHfQuantizer(HfQuantizer):
                                   f"save_quantized writes beside the shards: upload the whole directory): {e}",
                                   file=str(root / MANIFEST_NAME)) from e
 
-    def _keys(self, model: nn.Module, ckpt: Checkpoint, checkpoint_files: list[str], root: Path) -> dict[str, list[str]]:
+    def _keys(self, model: nn.Module, quantized: dict[str, TensorProto]) -> dict[str, list[str]]:
         """``serialized_names`` from the manifest's prototypes: per parameter name (``weight``), the
         keys of its quantized tensors' small buffers; the data buffers' keys become ignored on the model."""
-        stray = sorted({Path(f).name for f in checkpoint_files} - set(ckpt.manifest.files))
-        if stray:
-            raise CheckpointError(f"{HF_INDEX_NAME} names shards {stray[:5]} that {MANIFEST_NAME} does not "
-                                  "(save the checkpoint again)", file=str(root))
-        quantized = {n: p for n, p in ckpt.protos.items() if p.quantizer is not None}
-        self._check_modules(quantized, root)
         triggers: dict[str, set[str]] = {}
         data: set[str] = set()
         for name, proto in quantized.items():
@@ -347,20 +413,79 @@ class TeSerialHfQuantizer(HfQuantizer):
                                   f"{wrong[:10]} (a config.json from another checkpoint?)", file=str(root),
                                   field="quantization_config.modules")
 
-    def _plan(self, model: nn.Module, checkpoint_files: list[str] | None) -> None:
-        """The weights to quantize on load: quantize_model's choice (``choose_weights``: linears and
+    def _recipe_choice(self, model: nn.Module) -> dict[str, Any]:
+        """quantize_model's choice of weights for the config's recipe (``choose_weights``: linears and
         3-D expert stacks), less ``exclude``."""
         cfg = self.quantization_config
         col = "columnwise" in cfg.usages if cfg.usages is not None else torch.is_grad_enabled()
         row = "rowwise" in cfg.usages if cfg.usages is not None else True
         self._q = q = recipe_quantizer(cfg.recipe, rowwise=row, columnwise=col)
-        chosen = {n: c for n, c in choose_weights(model, q).items() if not _matches(c.module_name, cfg.exclude)}
+        return {n: c for n, c in choose_weights(model, q).items() if not _matches(c.module_name, cfg.exclude)}
+
+    def _plan(self, model: nn.Module, checkpoint_files: list[str] | None) -> None:
+        """Quantize on load: the weights to quantize as transformers hands them over; or, for a
+        checkpoint in a quantized layout te-serial reads, :meth:`_read_itself`."""
+        from .conversion.sources import open_source
+        cfg = self.quantization_config
+        files = [str(f) for f in checkpoint_files or []]
+        if files and all(f.endswith(".safetensors") for f in files):
+            root = Path(files[0]).parent
+            source = open_source(root)
+            try:
+                if self._read_itself(model, source, root):
+                    return
+            except BaseException:
+                source.close()
+                raise
+            source.close()
+        elif cfg.source_method is not None:
+            raise CheckpointError(f"config.json says quant_method {cfg.source_method!r}: te-serial reads such a "
+                                  f"checkpoint from its safetensors files, transformers found {files[:3]!r}")
+        if cfg.recipe is None:
+            raise FormatError("quantize on load needs a recipe: TeSerialConfig(recipe=...), one of "
+                              + ", ".join(RECIPES))
+        chosen = self._recipe_choice(model)
+        q = self._q
         self._to_quantize = {n: (c.module_name, c.quantizer) for n, c in chosen.items()}
         if q.takes_tensor_amax():
             groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), cfg.fused)
             for members in fusion.fused_groups(chosen_linears(chosen), groups, suffix=""):
                 self._group_of.update({m: members for m in members})
-        self._files = [str(f) for f in checkpoint_files or []]
+        self._files = files
+
+    def _read_itself(self, model: nn.Module, source: Any, root: Path) -> bool:
+        """Whether te-serial reads ``source`` itself, as ``load_into`` does, instead of transformers
+        reading its keys: a layout transformers would misread (DeepSeek FP8, ModelOpt,
+        compressed-tensors…), or quantized per-expert tensors the model holds as 3-D experts. If so,
+        plans each tensor te-serial gives: those the source holds quantized, and the recipe's choice."""
+        slots = tensor_slots(model)
+        view = as_model_names(source, slots)
+        if (view is source and source.layout == "te-serial") or \
+                not any(st.quantizer is not None for n, st in view.tensors.items() if n in slots):
+            return False  # transformers reads the keys (te-serial's own names, or plain weights to quantize)
+        cfg = self.quantization_config
+        chosen = self._recipe_choice(model) if cfg.recipe is not None else {}
+        targets = {}
+        for name, st in view.tensors.items():
+            if name not in slots:
+                continue
+            module, attr, is_param, old = slots[name]
+            if name in chosen:
+                proto = TensorProto(tuple(old.shape), old.dtype, chosen[name].quantizer)
+                targets[name] = (module, attr, is_param, proto.create_tensor(device="meta"))
+            elif st.quantizer is not None:
+                targets[name] = slots[name]
+        steps, _, _ = plan_load(view, targets, root, derive_usages=True, strict=False, fused=cfg.fused,
+                                config=_hf_config(model), reads=True)
+        self._source, self._steps, self._chosen = view, steps, set(chosen) & set(targets)
+        self._file_keys = {n: view.file_keys(n) for n in targets}
+        self._file_keys[HELD_KEY] = list(view.dropped)  # activation scales the importer keeps aside
+        # transformers quantizes none of these; not "pre-quantized", it defers each read to the
+        # converter (no read-ahead threads), so SourceKeys can leave the data unread
+        self.pre_quantized = False
+        model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()),
+                                                    "^" + re.escape(HELD_KEY) + "$"}
+        return True
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
         return param_name in self._to_quantize
@@ -376,7 +501,19 @@ class TeSerialHfQuantizer(HfQuantizer):
         return TeSerialQuantize(self)
 
     def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
-        from transformers.core_model_loading import WeightConverter
+        if self._source is not None:  # te-serial reads these keys itself: routed before any model converter
+            renamings = [c for c in weight_conversions if isinstance(c, WeightRenaming)]
+            route: dict[str, tuple[str, int]] = {}
+            for name, keys in self._file_keys.items():
+                renamed = [apply_renamings(k, renamings) for k in keys]
+                route.update(dict.fromkeys(renamed, (HELD_KEY, HELD)))
+                if name == HELD_KEY or not renamed:
+                    continue
+                others = [k for k in renamed if k != name]
+                route[others[-1] if others else name] = (name, TRIGGER)  # the last key: a scale, where there is one
+                if others and name in renamed:
+                    route[name] = (name, NAMED)
+            return [SourceKeys(self, route), *super().update_weight_conversions(weight_conversions, model)]
         if self.pre_quantized and self._ckpt is not None:
             quantized = [n for n, p in self._ckpt.protos.items() if p.quantizer is not None]
             for conv in weight_conversions:
@@ -402,6 +539,17 @@ class TeSerialHfQuantizer(HfQuantizer):
                 return alt
         raise CheckpointError("no quantized tensor of this name in the checkpoint", file=str(self._ckpt.path),
                               tensor=name)
+
+    def _read_source(self, name: str, device: torch.device, model: nn.Module) -> nn.Parameter:
+        """A tensor :meth:`_read_itself` planned, as ``load_into`` gives it: the model's dtype as its
+        nominal dtype; ``requires_grad`` the model's for what the recipe quantized, else the saved one."""
+        t, _ = read_for_model(self._source, name, self._steps.get(name), device, self._source.path)
+        param = model.get_parameter(name)
+        t = _with_nominal(t, param.dtype)
+        quantized = isinstance(t, QuantizedTensorStorage)
+        grad = param.requires_grad if name in self._chosen or not quantized else \
+            self._source.tensors[name].proto.requires_grad
+        return nn.Parameter(t.detach(), requires_grad=grad and (quantized or t.is_floating_point()))
 
     def _read_quantized(self, name: str, device: torch.device, model: nn.Module) -> nn.Parameter:
         src = self._source_name(name, model)
@@ -449,16 +597,17 @@ class TeSerialHfQuantizer(HfQuantizer):
 
     # --- after loading ----------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        if self._ckpt is not None:
-            self._ckpt.close()  # loaded tensors keep their own mappings
-            self._ckpt = None
+        for opened in (self._ckpt, self._source):
+            if opened is not None:
+                opened.close()  # loaded tensors keep their own mappings
+        self._ckpt = self._source = None
         self._amax.clear()
         self._key_files = None
         protos = {n: to_tensor_proto(p) for n, p in model.named_parameters()
                   if isinstance(p, QuantizedTensorStorage)}
         if protos:
             _guard_save_pretrained(model)  # save_pretrained writes a te-serial directory
-        if not self.pre_quantized:  # the config says what the model now holds
+        if self._file_keys or not self.pre_quantized:  # the config says what the model now holds
             held = quantization_config(protos) or {}
             self.quantization_config.modules = held.get("modules", {})
             self.quantization_config.usages = held.get("usages", self.quantization_config.usages)
@@ -485,8 +634,28 @@ class TeSerialHfQuantizer(HfQuantizer):
         return False
 
 
+def _merge_quantization_configs(cls: type, quantization_config: Any, quantization_config_from_args: Any) -> Any:
+    """transformers' ``AutoHfQuantizer.merge_quantization_configs``, except that a
+    :class:`TeSerialConfig` given to ``from_pretrained`` for a checkpoint of another layout
+    (DeepSeek FP8, compressed-tensors, …) is taken, recording that layout's quant_method: te-serial
+    reads the checkpoint (transformers would refuse the two configs)."""
+    if isinstance(quantization_config_from_args, TeSerialConfig):
+        method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) \
+            else getattr(quantization_config, "quant_method", None)
+        if str(method) != QUANT_METHOD:
+            quantization_config_from_args.source_method = str(method)
+            return quantization_config_from_args
+    return _TRANSFORMERS_MERGE(quantization_config, quantization_config_from_args)
+
+
 def _register() -> None:
     """Register the ``te_serial`` method (importing this module does it, once per process)."""
+    global _TRANSFORMERS_MERGE
+    from transformers.quantizers.auto import AutoHfQuantizer
+    merge = AutoHfQuantizer.__dict__["merge_quantization_configs"]
+    if getattr(merge, "__func__", None) is not _merge_quantization_configs:
+        _TRANSFORMERS_MERGE = AutoHfQuantizer.merge_quantization_configs
+        AutoHfQuantizer.merge_quantization_configs = classmethod(_merge_quantization_configs)
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not TeSerialConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)  # a reloaded module replaces its classes
         register_quantization_config(QUANT_METHOD)(TeSerialConfig)

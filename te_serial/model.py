@@ -57,7 +57,7 @@ class LoadResult(NamedTuple):
     report: Any = None
 
 
-def _slots(model: nn.Module, non_persistent: bool = False) -> dict[str, tuple[nn.Module, str, bool, Any]]:
+def tensor_slots(model: nn.Module, non_persistent: bool = False) -> dict[str, tuple[nn.Module, str, bool, Any]]:
     """name → (owning module, attribute, is_parameter, current tensor) for every param and
     (persistent) buffer, tied duplicates included (one tensor object under each of its names)."""
     out = {}
@@ -231,7 +231,7 @@ def _fill_meta(model: nn.Module, device: torch.device, init_fn: InitFn | None) -
     """Allocate every tensor still on meta on ``device`` and initialize it (see the module
     docstring); quantized prototypes are initialized in their nominal dtype, then quantized.
     Returns the names filled; raises naming what no initializer wrote."""
-    slots = _slots(model, non_persistent=True)
+    slots = tensor_slots(model, non_persistent=True)
     pending: dict[int, list[str]] = {}
     for name, (_, _, _, t) in slots.items():
         if t.device.type == "meta":
@@ -313,7 +313,7 @@ def _fill_meta(model: nn.Module, device: torch.device, init_fn: InitFn | None) -
 def _move_non_persistent(model: nn.Module, device: torch.device) -> None:
     """Real non-persistent buffers (e.g. built under accelerate's ``init_empty_weights``) follow the
     load to ``device``, as ``from_pretrained`` moves them."""
-    for name, (module, attr, is_param, t) in _slots(model, non_persistent=True).items():
+    for name, (module, attr, is_param, t) in tensor_slots(model, non_persistent=True).items():
         if is_param or attr not in module._non_persistent_buffers_set or t.device.type == "meta":
             continue
         if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
@@ -446,23 +446,19 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
     ``fused``: weights quantized on the way in with a tensor-wide scale share one amax per group
     a serving engine fuses (q/k/v, gate/up, …), as :func:`quantize_model` does; see there.
     """
-    from .conversion.fused_scales import share_fused_amax
     from .conversion.report import ConversionReport
     from .conversion.sources import open_source
     t0 = time.perf_counter()
     device = torch.device(device)
     _tie_hf(model)
-    slots = _slots(model)
+    slots = tensor_slots(model)
     with open_source(path, verify=verify) as opened:
-        source = _as_model_names(opened, slots)
+        source = as_model_names(opened, slots)
         missing, unexpected, sliced = _match(model, slots, source.tensors, path, shard_fn, strict)
-        steps, first = _choose_steps(slots, source.tensors, derive_usages, strict, path)
+        steps, first, notes = plan_load(source, slots, path, derive_usages=derive_usages, strict=strict, fused=fused,
+                                        config=_hf_config(model), reads=device.type != "meta")
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
-        if device.type != "meta":  # quantized on the way in: one amax per fused group (reads its members)
-            groups = fusion.groups_for(fusion.architecture_of(_hf_config(model) or source.config), fused)
-            changed, notes = share_fused_amax(source.load, steps, groups, rule=fused, reexpress=False)
-            steps.update(changed)
-            rep.notes.extend(notes)
+        rep.notes.extend(notes)
         loaded, reports = _read_steps(source, slots, steps, sliced, device, verify, path)
         done = _assign_loaded(slots, loaded, source.tensors, assign)
         rep.tensors = _load_reports(source, slots, first, done, reports)
@@ -506,13 +502,46 @@ def _match(model: nn.Module, slots: dict, found: dict, path, shard_fn, strict: b
     return missing, unexpected, sliced
 
 
-def _as_model_names(source, slots: dict):
+def as_model_names(source, slots: dict):
     """``source`` as the model names its tensors: a MoE checkpoint's per-expert tensors as the
     model's 3-D expert parameters where the model has those and the checkpoint does not
     (:class:`~te_serial.conversion.sources.FusedExpertsView`), else ``source`` itself."""
     from .conversion.sources import FusedExpertsView
     view = FusedExpertsView(source, slots)
     return view if view.changes else source
+
+
+def plan_load(source, slots: dict, path, *, derive_usages: bool, strict: bool, fused, config: dict | None,
+              reads: bool) -> tuple[dict, dict[int, str], list[str]]:
+    """How each model tensor ``source`` holds is loaded, decided before any byte is read but the
+    fused groups' members (read when ``reads``: weights quantized on the way in share one amax per
+    group, as :func:`quantize_model` gives them): (name → step or None, tensor id → its first name,
+    notes). ``slots``: name → (module, attr, is_param, the model's tensor or a prototype of it)."""
+    from .conversion.fused_scales import share_fused_amax
+    steps, first = _choose_steps(slots, source.tensors, derive_usages, strict, path)
+    notes: list[str] = []
+    if reads:
+        groups = fusion.groups_for(fusion.architecture_of(config or source.config), fused)
+        changed, notes = share_fused_amax(source.load, steps, groups, rule=fused, reexpress=False)
+        steps.update(changed)
+    return steps, first, notes
+
+
+def read_for_model(source, name: str, step, device: torch.device, path, src=None) -> tuple[torch.Tensor, Any]:
+    """(tensor, report) of ``source``'s tensor ``name`` through its load step (None: as it is; ``src``:
+    its bytes already read), on ``device``; errors are te-serial's, naming the tensor."""
+    from .conversion.core import convert_tensor, tensor_plan
+    from .conversion.transforms import Step
+    st = source.tensors[name]
+    if step is None:
+        step = Step("keep", st.quantizer, st.dtype, exact=True, builder="keep")
+    try:
+        out, report, _ = convert_tensor(source, tensor_plan(st, step), "te", src=src)
+    except CheckpointError:
+        raise
+    except (TeSerialError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
+        raise ConversionError(f"{type(e).__name__}: {e}", file=str(path), tensor=name) from e
+    return (out if out.device.type == device.type else out.to(device)), report
 
 
 def _choose_steps(slots: dict, found: dict, derive_usages: bool, strict: bool, path) -> tuple[dict, dict[int, str]]:
@@ -542,20 +571,13 @@ def _read_steps(source, slots: dict, steps: dict, sliced: dict, device: torch.de
     """(name → the tensor for the model, name → its report): the checkpoint's tensors as they are
     (a te-serial checkpoint through the one reader, mmap'd on CPU; slices read alone), then the
     conversions one at a time on CPU, moved to ``device``; meta prototypes on ``meta``."""
-    from .conversion.core import convert_tensor, tensor_plan
-    from .conversion.transforms import Step
     found = source.tensors
     reports: dict[str, Any] = {}
     loaded: dict[str, Any] = {}
 
     def run(name: str, step, src=None):
-        try:
-            out, reports[name], _ = convert_tensor(source, tensor_plan(found[name], step), "te", src=src)
-        except CheckpointError:
-            raise
-        except (TeSerialError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as e:
-            raise ConversionError(f"{type(e).__name__}: {e}", file=str(path), tensor=name) from e
-        return out if out.device.type == device.type else out.to(device)
+        out, reports[name] = read_for_model(source, name, step, device, path, src)
+        return out
 
     direct = [n for n, s in steps.items() if s is None]
     ckpt = getattr(source, "ckpt", None)  # a te-serial checkpoint
@@ -578,8 +600,7 @@ def _read_steps(source, slots: dict, steps: dict, sliced: dict, device: torch.de
             if n in sliced:  # this rank's range only: just its bytes
                 got[n] = ckpt.get(n, device=device, verify=verify, rows=sliced[n][0], cols=sliced[n][1])
     for name in direct:
-        st = found[name]
-        loaded[name] = run(name, Step("keep", st.quantizer, st.dtype, exact=True, builder="keep"), got.pop(name, None))
+        loaded[name] = run(name, None, got.pop(name, None))
     del got
     for name, step in steps.items():  # conversions: one tensor at a time
         if step is not None:
@@ -806,7 +827,7 @@ def plan(model: nn.Module, recipe: str | Quantizer | None = None, **quantize_kwa
         return plan(meta)
     out = Plan()
     seen: set[int] = set()
-    for name, (_, _, _, t) in _slots(model).items():
+    for name, (_, _, _, t) in tensor_slots(model).items():
         if id(t) in seen:
             continue
         seen.add(id(t))
@@ -820,7 +841,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     """A structural copy of ``model`` whose tensors are meta (for estimates), ties kept."""
     import copy
     memo: dict[int, Any] = {}
-    for _, (_, _, is_param, t) in _slots(model).items():
+    for _, (_, _, is_param, t) in tensor_slots(model).items():
         if id(t) not in memo:
             meta = to_tensor_proto(t).create_tensor(device="meta") if isinstance(t, QuantizedTensorStorage) \
                 else torch.empty_like(t, device="meta")

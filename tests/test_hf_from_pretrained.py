@@ -254,13 +254,13 @@ def test_from_pretrained_of_a_te_serial_moe_checkpoint_equals_load_into(tmp_path
     assert sum(materialized) == small  # transformers never read a data buffer
 
 
-def test_quantized_per_expert_tensors_the_conversion_mapping_would_merge_are_refused(tmp_path):
+def _per_expert_linears_checkpoint(path, recipe, **config):
     """A checkpoint of quantized per-expert linears (a Qwen2-MoE with one nn.Linear per expert, as
-    transformers 4 built it): transformers 5 merges those keys into 3-D parameters, which te-serial
-    does not do to quantized tensors; te-serial's error names the tensor and the mapping."""
-    model = _bf16_model(_config("qwen2_moe", False))
+    transformers 4 built it), and the model it holds."""
+    model = _bf16_model(_config("qwen2_moe", False, **config))
+    inter = model.config.moe_intermediate_size
     for layer in model.model.layers:
-        packed, inter = layer.mlp.experts, MOE["moe_intermediate_size"]
+        packed = layer.mlp.experts
         per_expert = torch.nn.ModuleList()
         for e in range(MOE["num_experts"]):
             expert = torch.nn.Module()
@@ -271,11 +271,36 @@ def test_quantized_per_expert_tensors_the_conversion_mapping_would_merge_are_ref
                 setattr(expert, name, linear)
             per_expert.append(expert)
         layer.mlp.experts = per_expert
-    ts.quantize_model(model, "fp8_block", columnwise=False)
+    ts.quantize_model(model, recipe, columnwise=False)
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in _quantized(model)
-    ts.save_quantized(model, tmp_path / "ck")
-    with pytest.raises(tse.UnsupportedOperationError, match=r"conversion mapping rewrites 'model\.layers\.\d+\.mlp"
-                                                            r"\.experts\.\d+\.\w+_proj\.weight'.*neither merges"):
+    ts.save_quantized(model, path)
+    return model
+
+
+def test_quantized_per_expert_linears_load_into_the_3d_experts_as_load_into_gives_them(tmp_path, materialized):
+    """transformers 5 merges per-expert keys into 3-D parameters; te-serial reads such quantized
+    tensors itself (joined exactly into grouped tensors), so the model holds load_into's bytes and
+    transformers never reads an expert's data."""
+    _per_expert_linears_checkpoint(tmp_path / "ck", "fp8_block")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(_config("qwen2_moe", False), dtype=torch.bfloat16)
+    ts.load_into(ts.quantize_model(meta, "fp8_block", columnwise=False), tmp_path / "ck")
+    assert isinstance(got.model.layers[0].mlp.experts.gate_up_proj, tsf.GroupedTensor)
+    want = dict(meta.named_parameters())
+    for name, p in got.named_parameters():
+        assert type(p) is type(want[name]) and torch.equal(p.dequantize() if isinstance(p, tsf.QuantizedTensor) else p,
+                                                          want[name].dequantize()
+                                                          if isinstance(want[name], tsf.QuantizedTensor) else want[name])
+    small, _ = _numel_split(tmp_path / "ck")
+    assert sum(materialized) <= small  # transformers read no data buffer (one small trigger per tensor at most)
+
+
+def test_quantized_per_expert_linears_whose_blocks_would_mix_gate_and_up_are_refused(tmp_path):
+    """64 gate rows in 128×128 blocks: a block would hold gate and up rows, so no exact join exists;
+    te-serial's error names the tensor and the block rule, before any weight is read."""
+    _per_expert_linears_checkpoint(tmp_path / "ck", "fp8_block", moe_intermediate_size=64)
+    with pytest.raises(tse.ConversionError, match=r"experts\.gate_up_proj exactly.*128"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
 
 

@@ -7,6 +7,7 @@ the per-expert checkpoints ``save_pretrained`` and ``convert`` write.
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -324,6 +325,123 @@ def test_from_pretrained_quantizes_experts_on_load_and_loads_them_back(arch, rec
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, dequantized_copy(expected, arch)(ids).logits)
+
+
+def _spy_materialized(monkeypatch) -> list[int]:
+    """Bytes of every checkpoint tensor transformers reads while loading."""
+    import transformers.core_model_loading as cml
+    seen: list[int] = []
+    real = cml._materialize_copy
+
+    def spy(tensor, device=None, dtype=None):
+        out = real(tensor, device, dtype)
+        seen.append(out.numel() * out.element_size())
+        return out
+    monkeypatch.setattr(cml, "_materialize_copy", spy)
+    return seen
+
+
+def _bytes_but_quantized_data(path) -> int:
+    """Bytes of a checkpoint's keys other than quantized data (te-serial's ``_rowwise_data`` /
+    ``_columnwise_data``; a layout's packed U8 / FP8 ``weight`` and ``weight_packed``)."""
+    from safetensors import safe_open
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                data = k.endswith(("_rowwise_data", "_columnwise_data")) or (
+                    k.endswith((".weight", ".weight_packed")) and sl.get_dtype() in ("U8", "F8_E4M3", "I8"))
+                total += 0 if data else n * {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2}.get(
+                    sl.get_dtype(), 4)
+    return total
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current"])
+@pytest.mark.parametrize("arch", PER_EXPERT)
+def test_from_pretrained_of_a_converted_per_expert_checkpoint_equals_load_into(arch, recipe, tmp_path, monkeypatch):
+    """``te-serial convert`` of a BF16 MoE directory writes quantized per-expert tensors; from_pretrained
+    packs them into the 3-D experts exactly (te-serial reads them itself: transformers' merge would
+    concatenate quantized bytes), with load_into's bytes, and transformers reads no expert's data."""
+    hf = pytest.importorskip("te_serial.hf")
+    build(arch).save_pretrained(tmp_path / "bf16")
+    ts.convert(tmp_path / "bf16", tmp_path / "out", recipe=recipe)
+    seen = _spy_materialized(monkeypatch)
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=True)
+    ts.load_into(meta, tmp_path / "out")
+    assert_same_model(got, meta)
+    assert isinstance(got.model.layers[-1].get_submodule("mlp.experts").gate_up_proj, GroupedTensor)
+    assert sum(seen) <= _bytes_but_quantized_data(tmp_path / "out")   # transformers read no quantized data
+    assert any(m.endswith("experts.gate_up_proj") for m in got.config.quantization_config.modules)  # what it holds
+    got.save_pretrained(tmp_path / "again")      # a te-serial directory of the model's own names
+    assert_same_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again"), meta)
+
+
+FOREIGN = [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"), ("mxfp8", "modelopt_mxfp8"),
+           ("mxfp8", "compressed_tensors_mxfp8")]
+
+
+@pytest.mark.parametrize("recipe,layout", FOREIGN)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_from_pretrained_of_a_foreign_moe_export_with_te_serial_config(arch, recipe, layout, tmp_path, monkeypatch):
+    """A MoE in a serving layout (ModelOpt, compressed-tensors, DeepSeek FP8) loads through
+    ``from_pretrained(dir, quantization_config=TeSerialConfig(...))`` into quantized 3-D experts with no
+    BF16 round trip: TeSerialConfig() keeps the layout's values (the model it was exported from,
+    byte for byte); TeSerialConfig(recipe=...) converts them as load_into does."""
+    hf = pytest.importorskip("te_serial.hf")
+    model = ts.quantize_model(build(arch), recipe, columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout)
+    seen = _spy_materialized(monkeypatch)
+    kept = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", quantization_config=hf.TeSerialConfig())
+    assert_same_model(kept, model)
+    assert sum(seen) <= _bytes_but_quantized_data(tmp_path / "out")
+    assert kept.config.quantization_config.quant_method == "te_serial"
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(kept(ids).logits, dequantized_copy(model, arch)(ids).logits)
+    other = "nvfp4" if recipe == "mxfp8" else "mxfp8"
+    converted = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", quantization_config=hf.TeSerialConfig(recipe=other, usages=["rowwise"]))
+    meta = ts.quantize_model(build(arch, device="meta"), other, columnwise=False)
+    ts.load_into(meta, tmp_path / "out")
+    assert_same_model(converted, meta)
+    converted.save_pretrained(tmp_path / "te2")
+    assert_same_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "te2"), meta)
+
+
+def test_from_pretrained_of_a_deepseek_v3_block_fp8_moe_with_te_serial_config(tmp_path):
+    """DeepSeek-V3's own layout (config quant_method 'fp8', which transformers would give its own FP8
+    quantizer): TeSerialConfig() reads it into blockwise-FP8 3-D experts, as load_into does."""
+    hf = pytest.importorskip("te_serial.hf")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=2, topk_group=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    ts.quantize_model(model, "fp8_block", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "ds", recipe="deepseek_fp8")
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ds", quantization_config=hf.TeSerialConfig())
+    assert_same_model(got, model)
+    assert isinstance(got.model.layers[1].mlp.experts.gate_up_proj, GroupedTensor)
+
+
+def test_from_pretrained_of_a_layout_te_serial_does_not_read_names_it(tmp_path):
+    hf = pytest.importorskip("te_serial.hf")
+    from te_serial.errors import UnknownLayoutError
+    build("qwen3_moe").save_pretrained(tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownLayoutError, match="quant_method 'awq' is not a layout te-serial reads"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "d", quantization_config=hf.TeSerialConfig())
 
 
 # --- exports: the per-expert names engines read ------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import (CheckpointError, CheckpointFileError, ConversionError, FormatError, ManifestError, ShapeError,
-                      UnknownLayoutError)
+                      UnknownLayoutError, UnsupportedOperationError)
 from ..proto import TensorProto, to_tensor_proto
 from ..checkpoint.files import TMP_PREFIX, SafetensorsFile, release_pages
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
@@ -145,6 +145,12 @@ class Source:
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def file_keys(self, name: str) -> list[str]:
+        """The keys in the source's files that hold tensor ``name``'s bytes (what a loader reading
+        the files by key, as transformers does, must leave to te-serial)."""
+        raise UnsupportedOperationError(f"a {self.layout or type(self).__name__} source does not name its files' "
+                                        "keys", tensor=name)
+
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """The tensor for a byte relayout, and the check to run once its bytes are written (None:
         it was checked as it was read)."""
@@ -174,9 +180,9 @@ class TeSerialSource(Source):
 
     layout = "te-serial"
 
-    def __init__(self, path: Path, *, verify: bool = True) -> None:
+    def __init__(self, path: Path, *, verify: bool = True, ckpt: Checkpoint | None = None) -> None:
         super().__init__(path)
-        self.ckpt = Checkpoint(path)
+        self.ckpt = ckpt if ckpt is not None else Checkpoint(path)
         self.manifest = manifest = self.ckpt.manifest
         self.verify = verify and manifest.checksums is not None
         self.tree = manifest.tree
@@ -210,6 +216,12 @@ class TeSerialSource(Source):
         if check is not None:
             check()
         return t
+
+    def file_keys(self, name: str) -> list[str]:
+        m = self.manifest
+        if m.is_chunked(name):
+            return [piece[1] for *_, pieces in m.pieces(name) for piece in pieces]
+        return [loc[2] for loc in m.locations(name)]
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.ckpt.stream(name, verify=self.verify)
@@ -465,6 +477,9 @@ class SafetensorsSource(Source):
         if st.quantizer is None:
             return self.read(st.keys["data"])
         return st.keys["layout"].load(self, st)
+
+    def file_keys(self, name: str) -> list[str]:
+        return [k for k in self.tensors[name].keys.values() if isinstance(k, str) and k in self._where]
 
 
 # --- detection ------------------------------------------------------------------------------------
@@ -790,6 +805,14 @@ class FusedExpertsView(Source):
         if name in self._renamed or "experts" in st.keys:
             return self.load(name), None
         return self.inner.stream(name)
+
+    def file_keys(self, name: str) -> list[str]:
+        if name in self._renamed:
+            return self.inner.file_keys(self._renamed[name])
+        parts = self.tensors[name].keys.get("experts")
+        if parts is None:
+            return self.inner.file_keys(name)
+        return [k for names in parts for n in names for k in self.inner.file_keys(n)]
 
     def close(self) -> None:
         self.inner.close()
