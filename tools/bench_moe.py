@@ -7,8 +7,10 @@
 * **Paths** (``--gib`` of BF16, a Qwen3-MoE model and a dense Qwen3 of the same bytes; one child
   process per run, median of ``--repeat``): quantize on load (``quantize_model`` on ``meta`` +
   ``load_into`` of the ``save_pretrained`` directory), ``save_quantized`` of the quantized model,
-  and ``load_into`` of that checkpoint; wall time, and peak RSS added by the load over the bytes
-  it keeps. Each MoE figure is given as a ratio of the dense one (target ≥ 0.9: the issue's).
+  ``load_into`` of that checkpoint, and its export to the recipe's ModelOpt serving layout
+  (``convert``: the MoE's experts written per expert, under the names engines read); wall time,
+  and peak RSS added over the bytes the model keeps. Each MoE figure is given as a ratio of the
+  dense one (target ≥ 0.9: the issue's).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ _OUTSIDE = re.compile(r"embed|lm_head|norm|router|(^|\.)gate\.weight$|shared_exp
 def add_parser(sub) -> None:
     p = sub.add_parser("moe", help="MoE vs dense of the same bytes: quantize on load, save, load; share quantized")
     p.add_argument("--gib", type=float, default=1.0, help="BF16 size of each model")
-    p.add_argument("--recipe", default="mxfp8")
+    p.add_argument("--recipe", default="mxfp8", choices=("mxfp8", "nvfp4"))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=None)
     p.add_argument("--skip-paths", action="store_true", help="only the share table")
@@ -108,6 +110,9 @@ elif mode == "save":
     base = rss("VmRSS")
     t0 = time.perf_counter()
     ts.save_quantized(model, dst + ".again")
+elif mode == "export":
+    ts.convert(dst, dst + ".export", recipe="modelopt_" + recipe)
+    model = meta_model()
 secs = time.perf_counter() - t0
 kept = sum(p.quantized_nbytes() if hasattr(p, "quantized_nbytes") else p.numel() * p.element_size()
            for p in model.parameters())
@@ -144,9 +149,10 @@ def paths(args) -> None:
             ts.save_quantized(ts.quantize_model(model, args.recipe, columnwise=False), work / f"{kind}_te")
             del model
         for _ in range(args.repeat):
-            for mode in ("quantize_on_load", "save", "load"):
+            for mode in ("quantize_on_load", "save", "load", "export"):
                 for kind, (arch, kw) in _configs(args.gib).items():  # alternated, dense and MoE
-                    shutil.rmtree(work / f"{kind}_te.again", ignore_errors=True)
+                    for old in (".again", ".export"):
+                        shutil.rmtree(work / f"{kind}_te{old}", ignore_errors=True)
                     out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO), mode, arch, json.dumps(kw),
                                           str(work / f"{kind}_bf16"), str(work / f"{kind}_te"), args.recipe],
                                          capture_output=True, text=True, check=True)
