@@ -414,10 +414,9 @@ def test_from_pretrained_of_a_foreign_moe_export_with_te_serial_config(arch, rec
     assert_same_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "te2"), meta)
 
 
-def test_from_pretrained_of_a_deepseek_v3_block_fp8_moe_with_te_serial_config(tmp_path):
-    """DeepSeek-V3's own layout (config quant_method 'fp8', which transformers would give its own FP8
-    quantizer): TeSerialConfig() reads it into blockwise-FP8 3-D experts, as load_into does."""
-    hf = pytest.importorskip("te_serial.hf")
+def _deepseek_v3_block_fp8(tmp_path):
+    """A DeepSeek-V3 of 128-row experts quantized to 128×128 blockwise FP8, exported in DeepSeek's own
+    layout (E4M3 weights, ``weight_scale_inv``, one key per expert) to ``tmp_path / "ds"``: (config, model)."""
     cfg = transformers.DeepseekV3Config(
         vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -428,6 +427,14 @@ def test_from_pretrained_of_a_deepseek_v3_block_fp8_moe_with_te_serial_config(tm
     ts.quantize_model(model, "fp8_block", columnwise=False)
     ts.save_quantized(model, tmp_path / "te")
     ts.convert(tmp_path / "te", tmp_path / "ds", recipe="deepseek_fp8")
+    return cfg, model
+
+
+def test_from_pretrained_of_a_deepseek_v3_block_fp8_moe_with_te_serial_config(tmp_path):
+    """DeepSeek-V3's own layout (config quant_method 'fp8', which transformers would give its own FP8
+    quantizer): TeSerialConfig() reads it into blockwise-FP8 3-D experts, as load_into does."""
+    hf = pytest.importorskip("te_serial.hf")
+    _, model = _deepseek_v3_block_fp8(tmp_path)
     got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ds", quantization_config=hf.TeSerialConfig())
     assert_same_model(got, model)
     assert isinstance(got.model.layers[1].mlp.experts.gate_up_proj, GroupedTensor)
@@ -591,16 +598,7 @@ def test_a_deepseek_v3_block_fp8_checkpoint_loads_into_the_3d_experts_without_a_
     """DeepSeek-V3's own layout (E4M3 weights + weight_scale_inv per 128×128 block, one key per
     expert): load_into reads it into the model's 3-D experts as blockwise FP8, exactly (the gate's
     128 rows end on a block), no BF16 round trip."""
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
-        v_head_dim=32, n_group=2, topk_group=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    ts.quantize_model(model, "fp8_block", columnwise=False)
-    ts.save_quantized(model, tmp_path / "te")
-    ts.convert(tmp_path / "te", tmp_path / "ds", recipe="deepseek_fp8")   # DeepSeek's own keys and scales
+    cfg, model = _deepseek_v3_block_fp8(tmp_path)
     keys, _ = _export_keys_and_config(tmp_path / "ds")
     assert "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv" in keys
     with torch.device("meta"):
