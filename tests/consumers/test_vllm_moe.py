@@ -85,3 +85,60 @@ def test_vllm_holds_te_serial_nvfp4_expert_codes_scales_and_one_global_scale_per
                 g = got[f"{vllm_name}_scale_2"].reshape(t.shape[0], -1)[e].float()
                 want = bufs["_amax_rowwise"].float().reshape(()) / (6.0 * 448.0)
                 assert torch.all((g - want).abs() <= torch.finfo(torch.float32).eps * want.abs()), (layer, e)
+
+
+@pytest.mark.parametrize("layout", ["modelopt_fp8", "compressed_tensors_fp8_tensor"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_vllm_holds_te_serial_per_tensor_fp8_expert_codes_and_one_scale_per_expert(arch, layout, tmp_path,
+                                                                                     monkeypatch):
+    """A static (W8A8) per-tensor FP8 MoE export, calibrated with ActivationAmax: vLLM's FusedMoE
+    loaders and post-load step hold each expert's one te-serial scale (gate and up of an expert are
+    one te-serial tensor, so they share it, and vLLM's max of the two is that scale) and its E4M3
+    codes: down_proj byte for byte; gate/up as vLLM's own requantization to that scale leaves them
+    (it always requantizes, through FP16, which moves the codes of FP16-subnormal values).
+    vLLM 0.33's FP8 MoE oracle finds no per-tensor backend on CPU (its CPU FP8 experts are 128-block
+    W8A16 on AMX): where it finds none, this test gives the ModelOpt and compressed-tensors methods
+    its Triton experts, whose load-time step leaves the weights as they are (as stub 7 does for
+    NVFP4). Everything before is vLLM's own; only the weights are checked, no GEMM runs."""
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe. \
+        compressed_tensors_moe_w8a8_fp8 as ct_fp8
+    import vllm.model_executor.layers.quantization.modelopt as modelopt
+    from te_serial.conversion import ActivationAmax
+    from test_moe import build
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, select_fp8_moe_backend
+    from vllm_harness import load_experts_with_vllm
+
+    def select(*args, **kwargs):
+        backend, experts = select_fp8_moe_backend(*args, **kwargs)
+        return (Fp8MoeBackend.TRITON, TritonExperts) if backend == Fp8MoeBackend.NONE else (backend, experts)
+    for module in (modelopt, ct_fp8):
+        monkeypatch.setattr(module, "select_fp8_moe_backend", select)
+    model = ts.quantize_model(build(arch), "fp8_current", columnwise=False)
+    with ActivationAmax(model) as cal, torch.no_grad():
+        model(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(5)))
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=cal.amax)
+    held = load_experts_with_vllm(tmp_path / "out")
+    ours = dict(model.named_parameters())
+    layers = sorted({n.rsplit(".experts.", 1)[0] for n in ours if ".experts." in n})
+    assert len(held) == len(layers) == 2
+    for layer in layers:
+        got = next(v for k, v in held.items() if k.startswith(layer.removesuffix(".mlp") + "."))
+        assert "Fp8" in got["quant_method"] or "FP8" in got["quant_method"], got["quant_method"]
+        for vllm_name, ours_name in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+            members = ours[f"{layer}.experts.{ours_name}"].members()
+            scales = got[f"{vllm_name}_scale"].reshape(len(members), -1)
+            assert scales.shape[1] == 1, scales.shape        # one scale per expert after post-load
+            for e, member in enumerate(members):
+                bufs = member.buffers()
+                scale = bufs["_scale_inv"].float().reshape(1)
+                assert torch.equal(scales[e].float(), scale), (layer, e)
+                codes = bufs["_data"].view(torch.float8_e4m3fn)
+                if vllm_name == "w13_weight":  # vLLM requantizes gate and up to their max scale, which is
+                    # this one scale, through FP16 (per_tensor_dequantize, then scaled_fp8_quant): the codes
+                    # of an expert's FP16-subnormal values move; every other code stays ours
+                    s = scale.reshape(())  # 0-d, as vLLM indexes it: FP16 × it stays FP16
+                    codes = ((codes.to(torch.float16) * s).float() * torch.reciprocal(s)).clamp(
+                        -448.0, 448.0).to(torch.float8_e4m3fn)
+                assert torch.equal(got[vllm_name][e].view(torch.uint8), codes.view(torch.uint8)), (layer, e)
