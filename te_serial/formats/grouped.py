@@ -408,7 +408,7 @@ class GroupedQuantizer(Quantizer):
         whole = self.member.quantize(stacked.contiguous(), internal=True)
         shape, bufs = tuple(whole.logical_shape), whole.buffers()
         return self.merge_buffers([slice_buffers(self.member, bufs, shape, rows=(i * rows, (i + 1) * rows))[1]
-                                   for i in range(self.num_tensors)])
+                                   for i in range(self.num_tensors)], views=True)  # fresh bytes: no copy needed
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
         members = self.split_buffers(buffers, internal=True)
@@ -422,8 +422,11 @@ class GroupedQuantizer(Quantizer):
         return self.join_values(parts)
 
     # --- merge and split (exact: the members' bytes) -------------------------------------------
-    def merge_buffers(self, members: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The grouped buffers holding each member's buffers (by member buffer name), concatenated."""
+    def merge_buffers(self, members: Sequence[Mapping[str, torch.Tensor]], *,
+                      views: bool = False) -> dict[str, torch.Tensor]:
+        """The grouped buffers holding each member's buffers (by member buffer name), concatenated: a
+        copy, or with ``views`` a view where the members' buffers are consecutive in one storage."""
+        from .slicing import cat_rows
         lay = self._lay()
         if len(members) != self.num_tensors:
             raise FormatError(f"{len(members)} members for a group of {self.num_tensors}")
@@ -437,7 +440,7 @@ class GroupedQuantizer(Quantizer):
                     raise FormatError(f"member {i}: buffer {m} should be {dtype_name(spec.dtype)}{list(spec.shape)}, "
                                       f"got {got}")
                 parts.append(b.reshape(-1))
-            out[g] = torch.cat(parts)
+            out[g] = cat_rows(parts) if views else torch.cat(parts)
         return out
 
     def split_buffers(self, buffers: Mapping[str, torch.Tensor], *, fake_dtype: torch.dtype | None = None,

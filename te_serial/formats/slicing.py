@@ -20,7 +20,7 @@ other buffer equals the range quantized on its own.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -231,6 +231,25 @@ def _row_dim(q: Quantizer) -> dict[str, int | None]:
     return out
 
 
+def cat_rows(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, without the copy when ``dim`` is 0 and the parts are contiguous,
+    consecutive pieces of one storage (a grouped tensor's members, one quantize's rows): then a view
+    spanning them."""
+    first = parts[0]
+    if dim == 0 and len(parts) > 1 and all(p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+                                           and p.shape[1:] == first.shape[1:] for p in parts):
+        storage = first.untyped_storage()
+        end = first.data_ptr()
+        for p in parts:
+            if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != end:
+                break
+            end += p.numel() * p.element_size()
+        else:
+            rows = sum(p.shape[0] for p in parts)
+            return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
+    return torch.cat(list(parts), dim=dim)
+
+
 def check_row_join(q: Quantizer, row_counts) -> None:
     """Raise :class:`~te_serial.FormatError` unless parts of these row counts stack exactly: every part
     but the last ends on the format's row blocks (``slice_alignment``)."""
@@ -275,5 +294,5 @@ def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Ten
                                       f"(a tensor-wide scale or amax): stacking them would requantize")
             pieces[name] = regions[0]
         else:
-            pieces[name] = torch.cat(regions, dim=dim)
+            pieces[name] = cat_rows(regions, dim)
     return shape, slice_from_regions(q, shape, pieces)
