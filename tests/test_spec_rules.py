@@ -414,7 +414,7 @@ def test_region_views_are_the_spec_table():
 def _spec_boxes(q: dict, r0, r1, c0, c1, views) -> dict:
     """§13's "A range's boxes", as written."""
     kind = q["kind"]
-    p = 2 if kind == "nvfp4" else 1
+    p = 2 if kind in ("nvfp4", "mxfp4") else 1
     grids = _readme_code()["SCALE_GRIDS"]
     out = {}
     for b, view in views.items():

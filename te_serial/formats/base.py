@@ -145,6 +145,9 @@ class Quantizer(LayoutRules, QuantizeEngine):
     # --- the format's rules (the protocol every format implements) -----------------------------
     #: adapter to TE's own classes (``formats/te_adapter.py``), set when the format registers one
     te_adapter: ClassVar[Any] = None
+    #: whether Transformer Engine has a tensor class for this format (MXFP4 has none in TE 2.20): a
+    #: format with one registers a TE adapter; ``to_te`` and TE's ``TensorSpec`` refuse one without
+    has_te_class: ClassVar[bool] = True
     #: holds tensor state (delayed scaling's scale and amax) that a conversion fills from the data
     data_dependent: ClassVar[bool] = False
 

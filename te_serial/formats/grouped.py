@@ -45,7 +45,7 @@ from ..errors import FormatError, ShapeError, UnsupportedOperationError
 from .protocol import COLUMNWISE, ROWWISE, BufferSpec
 from .tensors import QuantizedTensor, QuantizedTensorStorage
 from .base import Quantizer
-from .te_adapter import TE_ADAPTERS, TEAdapter, register_te_adapter
+from .te_adapter import TE_ADAPTERS, TEAdapter, adapter_for, register_te_adapter
 
 #: TE's grouped buffer attribute names, in flatten order
 GROUPED_BUFFERS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax")
@@ -714,7 +714,7 @@ class _GroupedTE(TEAdapter):
         return g, g.merge_buffers([{n: b for n, b in bufs.items() if b is not None} for _, bufs in read])
 
     def te_quantizer(self, q, te):
-        return q.member.te_adapter.te_quantizer(q.member, te) if q.member is not None else None
+        return adapter_for(q.member).te_quantizer(q.member, te) if q.member is not None else None
 
     def to_te(self, t: GroupedTensorStorage, te) -> Any:
         """TE's GroupedTensor holding ``t``'s bytes (TE allocates; workspace buffers are zeroed)."""

@@ -74,6 +74,7 @@ class MXFP4Quantizer(Quantizer):
     kind: ClassVar[str] = "mxfp4"
     storage_class: ClassVar[type] = MXFP4TensorStorage
     tensor_class: ClassVar[type] = MXFP4Tensor
+    has_te_class: ClassVar[bool] = False
 
     columnwise: bool = dataclasses.field(default=False, kw_only=True)
 
