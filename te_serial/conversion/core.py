@@ -217,13 +217,20 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
         except (ShapeError, FormatError) as e:
             return refuse(str(e))
         return plan_te(st.quantizer, q, dtype, st.dtype), None
+    layout = LAYOUTS[family]
     if is_expert_weight(name, shape):  # 3-D experts the architecture's checkpoints keep whole (gpt-oss)
-        raise ConversionError(f"{t.name}: MoE experts held as one 3-D tensor (shape {list(shape)}; this "
-                              "architecture's checkpoints do not name each expert) are not written to serving "
-                              "layouts yet; convert to a te-serial recipe or to bf16", file=src_file, tensor=name)
+        rep = layout.expert_representation(t.scheme, shape)
+        if rep is None:
+            raise ConversionError(f"{t.name}: MoE experts held as one 3-D tensor (shape {list(shape)}; this "
+                                  "architecture's checkpoints do not name each expert) are not written to this "
+                                  "serving layout; convert to gpt_oss_mxfp4 (gpt-oss), a te-serial recipe or bf16",
+                                  file=src_file, tensor=name)
+        return plan_external(st.quantizer, t.scheme, rep, dtype, st.dtype, st.uniform_rows), t.scheme
+    if layout.experts_only:
+        return refuse(f"{t.name} quantizes MoE experts only (3-D <p>.experts.<proj>); the rest stays high precision")
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
-    rep = LAYOUTS[family].representation(t.scheme)
+    rep = layout.representation(t.scheme)
     if st.quantizer is not None:
         rep = st.quantizer.serving_form(rep)  # e.g. 4over6's E4M3 bound, which the layouts state as it is
     try:
