@@ -7,8 +7,8 @@ checkpoints in :mod:`te_serial.dcp`; weights handed to a serving engine in :mod:
 
 from ._version import __version__
 from .errors import CheckpointError, TeSerialError
-from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
-                      NVFP4Quantizer)
+from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP4Quantizer,
+                      MXFP4Tensor, MXFP4TensorStorage, MXFP8Quantizer, NVFP4Quantizer)
 from .formats.slicing import slice_quantized
 from .proto import TensorProto, to_tensor_proto
 from .checkpoint import (Checkpoint, CheckpointWriter, load_quantized, read_protos, save_quantized,
@@ -27,6 +27,7 @@ __all__ = [
     "load_into", "quantize_model", "materialize", "plan", "Checkpoint", "CheckpointWriter",
     "TensorProto", "to_tensor_proto", "slice_quantized",
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",
-    "NVFP4Quantizer", "from_te", "to_te", "to_te_spec", "from_te_spec",
+    "NVFP4Quantizer", "MXFP4Quantizer", "MXFP4Tensor", "MXFP4TensorStorage",
+    "from_te", "to_te", "to_te_spec", "from_te_spec",
     "TeSerialError", "CheckpointError",
 ]

@@ -194,6 +194,25 @@ def e8m0_dequant_scale(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def e8m0_from_fp4_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponent of an MXFP4 block of |x| maximum ``amax`` (fp32, NaN-free):
+    ``127 + clamp(ceil(log2(amax / 6)), -127, 127)`` with the ceiling taken exactly.
+
+    TE's reference (custom_recipes/reference_nvfp4.py ``cast_to_e8``, pow_2_scales) forms
+    ``ceil(torch.log2(fl32(amax / 6)))``; rounding to fp32 is monotonic and keeps powers of two, so
+    the exact ceiling of log2(fl32(amax / 6)) is the least k with amax ≤ 6 · 2^k: from amax's fp32
+    bits, k = E − 2 (unbiased E − 127 − 2) plus one where the mantissa exceeds 1.5. No division
+    (inductor may turn x / 6 into x · (1/6)) and no log2 (fp32 log2 rounds k + ε down to k for
+    values a few ulps above 2^k, |k| ≥ 4, device-dependently). Subnormal or zero amax → 0 (2^−127);
+    +inf → 254 (2^127, the clamp); a finite amax never exceeds 253.
+    """
+    bits = amax.float().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    up = ((bits & 0x7FFFFF) > 0x400000).to(torch.int32)
+    e = torch.clamp(exponent - 2 + up, min=0, max=254)
+    return torch.where(isinf(amax.float()), torch.full_like(e, 254), e).to(torch.uint8)
+
+
 # --- FP4 E2M1 (NVFP4 data) -----------------------------------------------------------------
 
 def scale_and_cast_to_fp4(x: torch.Tensor, scale: torch.Tensor | None, dim: int = -1) -> torch.Tensor:

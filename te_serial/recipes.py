@@ -12,7 +12,7 @@ import torch
 
 from .errors import FormatError
 from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                      MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+                      MXFP4Quantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -31,6 +31,8 @@ RECIPES: dict[str, tuple[str, Callable[..., Quantizer]]] = {
                      lambda **kw: Float8BlockQuantizer(E4M3, block_scaling_dim=1, **kw)),
     "fp8_block": ("FP8 blockwise E4M3, 128x128 tiles, pow-2 fp32 scales",
                   lambda **kw: Float8BlockQuantizer(E4M3, block_scaling_dim=2, **kw)),
+    "mxfp4": ("MXFP4 E2M1, 1x32 blocks, E8M0 scales (no TE class: TE's reference numerics)",
+              lambda **kw: MXFP4Quantizer(**kw)),
     "nvfp4": ("NVFP4 E2M1, 1x16 blocks, E4M3 scales + fp32 amax",
               lambda **kw: NVFP4Quantizer(**kw)),
     "nvfp4_2d": ("NVFP4 E2M1, 16x16 tiles (TE's weight recipe)",

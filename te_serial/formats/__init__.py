@@ -9,6 +9,7 @@ from .blockwise import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8Block
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
 from .grouped import GroupedQuantizer, GroupedTensor, GroupedTensorStorage
 from .mxfp8 import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
+from .mxfp4 import MXFP4Quantizer, MXFP4Tensor, MXFP4TensorStorage
 from .nvfp4 import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .slicing import slice_quantized
 from .swizzle import swizzle_scales, unswizzle_scales
@@ -20,6 +21,7 @@ __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
     "Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "Float8TensorStorage",
     "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
+    "MXFP4Quantizer", "MXFP4Tensor", "MXFP4TensorStorage",
     "GroupedQuantizer", "GroupedTensor", "GroupedTensorStorage",
     "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
     "swizzle_scales", "unswizzle_scales",

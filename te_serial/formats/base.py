@@ -212,6 +212,11 @@ class Quantizer(LayoutRules, QuantizeEngine):
         """``usage``'s buffers of the ``out`` tensor, built from this tensor's bytes (``derivable``)."""
         return self.usage_buffers(buffers, usage)
 
+    def refused_value(self, buffers: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+        """(buffer name, why) where ``buffers`` hold a value this format never writes and no reader
+        decodes (MXFP4's E8M0 NaN scale byte), else None: reading and dequantizing refuse such a tensor."""
+        return None
+
     def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype TE's kernel takes an input of ``dtype`` in (NVFP4's RHT casts to BF16)."""
         return dtype

@@ -187,6 +187,9 @@ class QuantizeEngine:
         """The values the buffers hold, as ``dtype`` (fp32 math, as TE): compiled where ``fused``
         says so, else eager."""
         shape = torch.Size(shape)
+        bad = self.refused_value(buffers)
+        if bad is not None:
+            raise FormatError(f"{self.layout_name()} tensor of shape {tuple(shape)}: buffer {bad[0]}: {bad[1]}")
         device = _first_buffer(buffers).device
         if fused.wants_fused(math.prod(shape), device, self.fusable(), eager):
             m, k = flatten_2d(tuple(shape))
