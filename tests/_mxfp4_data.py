@@ -37,14 +37,15 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (vals * exp).to(torch.float32)
 
 
-def codes_and_scales(n: int, k: int, seed: int, lo: int = 112, hi: int = 136) -> tuple[torch.Tensor, torch.Tensor]:
+def codes_and_scales(n: int, k: int, seed: int, lo: int = 112, hi: int = 136, adversarial: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes [n, k/2] and E8M0 bytes [n, k/32]: random codes, scale bytes in [lo, hi), and (where the
     shape has room) byte 0 under a +0.5 block, byte 254 under codes of magnitude <= 1.5, an all -0 block
-    (ModelOpt's zeros) under byte 0, an all +0 block, byte 1."""
+    (ModelOpt's zeros) under byte 0, an all +0 block, byte 1; ``adversarial=False``: the random ones only."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64)
     scales = torch.randint(lo, hi, (n, k // 32), generator=g, dtype=torch.int64)
-    if n >= 4:
+    if n >= 4 and adversarial:
         scales[0, 0] = 0
         codes[0, :32] = torch.tensor([1, 9] * 16)
         scales[1, -1] = 254
@@ -78,10 +79,11 @@ def gpt_oss_config(hidden: int = 64, inter: int = 64, experts: int = 4, layers: 
                 "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
 
 
-def gpt_oss_checkpoint(root: Path, *, seed: int = 0, lo: int = 112, hi: int = 136,
+def gpt_oss_checkpoint(root: Path, *, seed: int = 0, lo: int = 112, hi: int = 136, adversarial: bool = True,
                        config: dict | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
     """A gpt-oss MXFP4 directory: the BF16 tensors of a tiny GptOss model with random weights, its experts
-    as ``_blocks`` / ``_scales`` of adversarial codes (and BF16 biases). Returns (root, the tensors written)."""
+    as ``_blocks`` / ``_scales`` of adversarial codes (``adversarial=False``, ``lo`` / ``hi``: values a forward
+    pass keeps finite), BF16 biases. Returns (root, the tensors written)."""
     import transformers
     cfg = config or gpt_oss_config()
     conf = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config")})
@@ -91,7 +93,7 @@ def gpt_oss_checkpoint(root: Path, *, seed: int = 0, lo: int = 112, hi: int = 13
     for name, t in model.state_dict().items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             e, k, n = t.shape                      # transformers' [E, in, out]
-            packed, scales = codes_and_scales(e * n, k, seed + len(tensors), lo, hi)
+            packed, scales = codes_and_scales(e * n, k, seed + len(tensors), lo, hi, adversarial)
             tensors[name + "_blocks"] = packed.reshape(e, n, k // 32, 16)
             tensors[name + "_scales"] = scales.reshape(e, n, k // 32)
         else:

@@ -222,3 +222,32 @@ def test_compressed_tensors_decompressor_reads_the_mxfp4_export(tmp_path):
             mine = ck.get(module + ".weight").dequantize(torch.bfloat16)
             # compressed-tensors decompresses in BF16 (2^(b-127) as bf16): exact where BF16 holds the value
             assert torch.equal(got[module + ".weight"].to(torch.bfloat16), mine), module
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [None, "mxfp4", "mxfp8"])
+def test_load_into_gives_transformers_dequantized_gpt_oss_logits(recipe, tmp_path):
+    """``load_into`` of a gpt-oss MXFP4 directory (as it is, or converted to a te-serial recipe, experts only)
+    holds quantized experts (no BF16 copy) and gives the logits of transformers' own dequantized gpt-oss."""
+    transformers = pytest.importorskip("transformers")
+    root, _ = D.gpt_oss_checkpoint(tmp_path / "g", lo=118, hi=124, adversarial=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        root, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
+    path = root
+    if recipe is not None:
+        rep = tc.convert(root, tmp_path / recipe, rules={"*.experts.gate_up_proj": recipe, "*.experts.down_proj": recipe})
+        assert all(t.label == "lossless" or "bit-identical" in t.note for t in rep.tensors)   # MXFP4 → MXFP8: exact
+        path = tmp_path / recipe
+    cfg = D.gpt_oss_config()
+    conf = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config")})
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM._from_config(conf, dtype=torch.bfloat16)
+    ts.load_into(model, path)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, GroupedTensor) and isinstance(experts.down_proj, GroupedTensor)
+    assert experts.gate_up_proj.quantizer.member.kind == (recipe or "mxfp4")
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3, 2, 40]])
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    assert torch.isfinite(want).all() and torch.equal(got, want)
