@@ -107,6 +107,7 @@ FORMAT_CASES = [
     (lambda r, c: ts.Float8BlockQuantizer(E4M3, rowwise=r, columnwise=c, block_scaling_dim=2), (2, 65, 130)),
     (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c), (2, 16, 32)),
     (lambda r, c: ts.NVFP4Quantizer(rowwise=r, columnwise=c, with_2d_quantization=True), (144, 160)),
+    (lambda r, c: ts.MXFP4Quantizer(rowwise=r, columnwise=c), (2, 48, 64)),
 ]
 
 

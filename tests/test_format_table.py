@@ -38,9 +38,13 @@ def test_every_kind_has_a_slice_rule():
     assert set(KINDS) <= set(SLICE_RULES)
 
 
-def test_every_kind_has_a_te_adapter():
+def test_every_kind_with_a_te_class_has_a_te_adapter():
     for kind in KINDS:
-        adapter = QUANTIZER_REGISTRY[kind].te_adapter
+        cls = QUANTIZER_REGISTRY[kind]
+        adapter = cls.te_adapter
+        if not cls.has_te_class:  # MXFP4: TE 2.20 has no tensor class; nothing may need an adapter
+            assert adapter is None, kind
+            continue
         assert adapter is not None, kind
         assert TE_ADAPTERS[adapter.te_tensor] is adapter and TE_ADAPTERS[adapter.te_storage] is adapter, kind
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial.formats import fused
+from reference import mxfp4_reference as mx_ref
 from reference import te_reference as ref
 from helpers import INPUT_KINDS, assert_same_buffers, make_input, same_values
 
@@ -204,3 +206,103 @@ def test_nvfp4_rht_columnwise_only_dequantize_is_the_documented_rule(signs, kind
     rht_domain = ref.ref_dequantize("nvfp4", want, shape).t().reshape(-1, 16)
     if bool(torch.isfinite(rht_domain).all()):
         assert same_values(dq.t().reshape(-1, 16), exact_inverse_rht(rht_domain, ref.rht_matrix(signs)))
+
+
+# --- MXFP4 (tests/reference/mxfp4_reference.py) ------------------------------------------------------
+
+MXFP4_KINDS = [k for k in INPUT_KINDS if k != "specials"]  # NaN is refused (below)
+
+
+def mxfp4_adversarial(dtype: torch.dtype) -> torch.Tensor:
+    """[64, 128] blocks of 32 along K, each built to hit one edge of the rule: every E2M1 midpoint
+    (a tie) and its neighbours at several exponents with the block maximum exactly 6 · 2^e, a maximum
+    one ulp above 6 · 2^e, all-zero and ±0 blocks, subnormals, values near the dtype's maximum, and
+    magnitudes 2^60 apart in one block; their negatives in the odd rows."""
+    f = torch.finfo(dtype)
+    rows = []
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    for e in (-130, -127, -126, -100, -3, 0, 1, 7, 15):
+        scale = 2.0 ** e
+        ties = [m * scale for m in mids]
+        near = [torch.nextafter(torch.tensor(m * scale), torch.tensor(0.0)).item() for m in mids] + \
+               [torch.nextafter(torch.tensor(m * scale), torch.tensor(1e38)).item() for m in mids]
+        rows.append([6.0 * scale] + ties + near)  # 22 values, the rest of the block +0
+    rows.append([0.0] * 32)
+    rows.append([-0.0, 0.0] * 16)
+    rows.append([float(torch.nextafter(torch.tensor(6.0), torch.tensor(7.0)))] + [3.0, 1.5, 0.75] * 10 + [0.1])
+    rows.append([f.tiny * 0.5, f.tiny, f.tiny * 3, float(2 ** -149)] * 8)
+    rows.append([f.max, f.max / 3, f.max / 7, 1.0] * 8)
+    rows.append([2.0 ** 30, 2.0 ** -30, 3 * 2.0 ** 28, -(2.0 ** 27)] * 8)
+    rows.append([6.0 * 2.0 ** 120, 6.0 * 2.0 ** 120 * (1 + 2 ** -20), 1.0, -1.0] * 8)
+    blocks = torch.tensor([r + [0.0] * (32 - len(r)) for r in rows], dtype=torch.float64)
+    x = torch.zeros(64, 128, dtype=torch.float64)
+    for i in range(64):
+        for j in range(4):
+            b = blocks[(i * 4 + j) % blocks.shape[0]]
+            x[i, 32 * j:32 * j + 32] = b.roll(i) * (-1 if i % 2 else 1)
+    return x.to(torch.float32).clamp(-f.max, f.max).to(dtype)
+
+
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_mxfp4_bytes_equal_oracle(usage, in_dtype):
+    r, c = USAGES[usage]
+    q = ts.MXFP4Quantizer(rowwise=r, columnwise=c)
+    inputs = [(kind, make_input(kind, shape, in_dtype, seed=5)) for kind in MXFP4_KINDS
+              for shape in ((64, 96), (2, 32, 64), (32, 32))]
+    inputs.append(("adversarial", mxfp4_adversarial(in_dtype)))
+    inputs.append(("adversarial-t", mxfp4_adversarial(in_dtype).t().contiguous()))
+    for kind, x in inputs:
+        where = f"mxfp4 {tuple(x.shape)} {usage} {in_dtype} {kind}"
+        want = mx_ref.ref_mxfp4(x, rowwise=r, columnwise=c)
+        for eager in (True, False):
+            with fused.policy("eager" if eager else "fused"):
+                t = q.quantize(x)
+                assert_same_buffers(t.buffers(), want, f"{where} eager={eager}")
+                dq = t.dequantize(torch.float32)
+            assert same_values(dq, mx_ref.ref_dequantize_mxfp4(want, tuple(x.shape))), where
+
+
+def test_mxfp4_rule_edges():
+    """The block exponent is ceil(log2(amax / 6)) exactly: 6 · 2^e is exponent e, one ulp above is e + 1
+    (where fp32 log2 would say e); ties go to the even code; −0.0 is +0, a negative rounding to 0 is −0."""
+    q = ts.MXFP4Quantizer()
+    x = torch.zeros(4, 32)
+    x[0, 0] = 6.0 * 2.0 ** 100
+    x[1, 0] = float(torch.nextafter(torch.tensor(6.0 * 2.0 ** 100), torch.tensor(1e38)))
+    x[2, :8] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x[3, :3] = torch.tensor([6.0, -0.0, -0.2])
+    t = q(x)
+    assert t._rowwise_scale_inv[:4, 0].tolist() == [227, 228, 127, 127]
+    codes = torch.stack([t._rowwise_data[2] & 0xF, t._rowwise_data[2] >> 4], dim=1).reshape(-1)
+    assert codes[:8].tolist() == [7, 0, 2, 2, 4, 4, 6, 6]
+    assert (t._rowwise_data[3, 0] >> 4).item() == 0 and (t._rowwise_data[3, 1] & 0xF).item() == 8
+    assert t._rowwise_scale_inv[4:].eq(0).all() and t._rowwise_scale_inv[:, 1:].eq(0).all()  # padding
+
+
+def test_mxfp4_edge_bytes_dequantize_exactly():
+    """Bytes 0 (2^−127, an fp32 subnormal) and 254 (2^127: codes ≥ 2 overflow to ±inf) under every code."""
+    q = ts.MXFP4Quantizer()
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4).reshape(2, 32)
+    bufs = {"_rowwise_data": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+            "_rowwise_scale_inv": torch.zeros(128, 4, dtype=torch.uint8)}
+    bufs["_rowwise_scale_inv"][1, 0] = 254
+    got = q.dequantize_buffers(bufs, (2, 32), torch.float32)
+    want = mx_ref.ref_dequantize_mxfp4(bufs, (2, 32))
+    assert same_values(got, want)
+    assert got[0, 1].item() == 2.0 ** -128 and got[0, 3].item() == 1.5 * 2.0 ** -127
+    assert got[1, 3].item() == 1.5 * 2.0 ** 127 and torch.isinf(got[1, 4]) and torch.isinf(got[1, 15])
+
+
+def test_mxfp4_refuses_nan_and_its_nan_scale():
+    from te_serial import errors as tse
+    q = ts.MXFP4Quantizer()
+    x = torch.ones(32, 32)
+    x[3, 4] = float("nan")
+    with pytest.raises(tse.QuantizationError, match="NaN"):
+        q(x)
+    bufs = q(torch.ones(32, 32)).buffers()
+    bufs["_rowwise_scale_inv"] = bufs["_rowwise_scale_inv"].clone()
+    bufs["_rowwise_scale_inv"][31, 0] = 0xFF
+    with pytest.raises(tse.FormatError, match="_rowwise_scale_inv.*0xFF"):
+        q.dequantize_buffers(bufs, (32, 32), torch.float32)

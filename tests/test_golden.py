@@ -99,6 +99,7 @@ SCALE_GRIDS = {
     ("fp8_blockwise", 2, "_rowwise_scale_inv"): (128, 128, False),
     ("fp8_blockwise", 2, "_columnwise_scale_inv"): (128, 128, True),
     ("nvfp4", None, "_rowwise_scale_inv"): (1, 16, False), ("nvfp4", None, "_columnwise_scale_inv"): (16, 1, True),
+    ("mxfp4", None, "_rowwise_scale_inv"): (1, 32, False), ("mxfp4", None, "_columnwise_scale_inv"): (32, 1, True),
 }
 
 
@@ -107,7 +108,7 @@ def spec_region_view(shape: list, q: dict | None, bname: str, stored: list) -> l
     if q is None or q["kind"] == "grouped":
         return list(stored)
     kind, m, k = q["kind"], math.prod(shape[:-1]), shape[-1]
-    p = 2 if kind == "nvfp4" else 1
+    p = 2 if kind in ("nvfp4", "mxfp4") else 1
     if bname in ("_data", "_rowwise_data") or (kind == "mxfp8" and bname == "_columnwise_data"):
         return [m, k // p]
     if bname in ("_transpose", "_columnwise_data"):

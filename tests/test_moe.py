@@ -269,7 +269,7 @@ def test_gpt_oss_experts_stored_in_out_are_quantized_along_their_reduction_dim(r
             assert all(same_bytes(b, alone.buffers()[k]) for k, b in member.buffers().items()), (name, i)
     ts.save_quantized(model, tmp_path / "ck")
     with ts.open(tmp_path / "ck") as ckpt:
-        assert ckpt.manifest.version == (1, 4)
+        assert ckpt.manifest.version >= (1, 4)  # transposed groups need 1.4
     meta = ts.quantize_model(build("gpt_oss", device="meta"), recipe, columnwise=False)
     ts.load_into(meta, tmp_path / "ck")
     assert_same_model(meta, model)

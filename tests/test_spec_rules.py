@@ -164,6 +164,28 @@ def test_a_transposed_group_in_a_1_3_manifest_is_refused_naming_the_field(tmp_pa
     assert "transposed" in str(e) and "needs format 1.4" in str(e) and e.field.endswith("/transposed")
 
 
+def test_the_kind_version_table_is_the_code():
+    """§10's table lists exactly the quantizer kinds added after 1.0 by a KIND_VERSION (MXFP4: 1.5)."""
+    from te_serial.formats.protocol import QUANTIZER_REGISTRY
+    declared = {(cls.kind, cls.KIND_VERSION) for cls in set(QUANTIZER_REGISTRY.values()) if cls.KIND_VERSION > (1, 0)}
+    assert declared == {("mxfp4", (1, 5))}
+    row = next(line for line in README.read_text(encoding="utf-8").splitlines()
+               if line.startswith("  | quantizer kind `mxfp4`"))
+    assert "| 1.5 |" in row
+
+
+def test_mxfp4_in_a_1_4_manifest_is_refused_naming_the_kind(tmp_path):
+    """Format 1.5 added kind mxfp4: a manifest saying 1.4 that names it is refused, alone or as a member."""
+    x = torch.randn(64, 64)
+    t = ts.MXFP4Quantizer()(x)
+    ts.save_quantized({"w": t, "g": tsf.GroupedTensor.from_members([t, t])}, tmp_path / "ck")
+    with ts.open(tmp_path / "ck") as ckpt:
+        assert ckpt.manifest.version == (1, 5)
+    reads(tmp_path / "ck")
+    e = refused(rewrite(tmp_path / "ck", tmp_path / "old", _version((1, 4))))
+    assert "'mxfp4' needs format 1.5" in str(e) and e.field.endswith("/kind")
+
+
 # --- §8: the order of the first checks -----------------------------------------------------------
 
 def test_checksum_is_checked_before_the_version(tmp_path):
@@ -414,7 +436,7 @@ def test_region_views_are_the_spec_table():
 def _spec_boxes(q: dict, r0, r1, c0, c1, views) -> dict:
     """§13's "A range's boxes", as written."""
     kind = q["kind"]
-    p = 2 if kind == "nvfp4" else 1
+    p = 2 if kind in ("nvfp4", "mxfp4") else 1
     grids = _readme_code()["SCALE_GRIDS"]
     out = {}
     for b, view in views.items():

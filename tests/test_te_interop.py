@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import te_serial as ts
+from te_serial import errors as tse
 from te_serial import formats as tsf
 from te_serial.te.interop import is_te_tensor
 import te_shim
@@ -15,7 +16,7 @@ te = te_shim.install()
 if te is None:  # only where the test extra (transformer-engine wheel) is not installed
     pytest.skip("transformer-engine wheel not installed", allow_module_level=True)
 
-CASES = FORMAT_CASES
+CASES = [(make, shape) for make, shape in FORMAT_CASES if make(True, True).has_te_class]
 PARAMS = [pytest.param(make, shape, usage, id=f"{make(*usage).kind}{i}-{usage}")
           for i, (make, shape) in enumerate(CASES) for usage in USAGES]
 
@@ -125,3 +126,12 @@ def test_save_accepts_te_tensors_and_load_can_return_them(tmp_path):
         assert_same_tensor(plain[k], ts.from_te(t))
         for n, b in te_shim.te_buffers(t).items():
             assert same_bits(te_shim.te_buffers(as_te[k])[n], b), (k, n)
+
+
+def test_a_format_without_a_te_class_is_refused_by_name():
+    """MXFP4 (no tensor class in TE 2.20): to_te and to_te_spec name the format, alone or as group members."""
+    t = ts.MXFP4Quantizer()(make_input("random", (64, 64), torch.bfloat16))
+    for call in (lambda: ts.to_te(t), lambda: ts.to_te_spec(ts.to_tensor_proto(t)),
+                 lambda: ts.to_te(tsf.GroupedTensor.from_members([t, t]))):
+        with pytest.raises(tse.FormatError, match="mxfp4.*no tensor class"):
+            call()

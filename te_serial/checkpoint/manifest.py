@@ -38,7 +38,7 @@ from . import tree as tree_mod
 from .files import gc_paused
 
 FORMAT = "te-serial"
-VERSION = (1, 4)
+VERSION = (1, 5)
 #: the format version that added the manifest checksum (``manifest_checksum``, schema/README.md §8)
 CHECKSUM_VERSION = (1, 1)
 #: the format version that added chunked tensors (``tensors.chunks``, schema/README.md §13)
@@ -835,9 +835,9 @@ class _Decoder:
 
     def check_field_versions(self, doc: dict, *, has_trailer: bool) -> None:
         """Every field added after format 1.0 needs a manifest of its version or later
-        (schema/README.md §10, "Field versions"): ``manifest_checksum`` 1.1, quantizer fields a format
-        added later (``Quantizer.FIELD_VERSIONS``, in grouped members too). ``tensors.chunks`` (1.2) and
-        kind ``grouped`` (1.3) are checked where they are read."""
+        (schema/README.md §10, "Field versions"): ``manifest_checksum`` 1.1, quantizer kinds and fields a
+        format added later (``Quantizer.KIND_VERSION``, ``FIELD_VERSIONS``, in grouped members too).
+        ``tensors.chunks`` (1.2) and kind ``grouped`` (1.3) are checked where they are read."""
         version = tuple(doc["version"])
         if version < CHECKSUM_VERSION and (has_trailer or MANIFEST_CHECKSUM in doc):
             self.fail(_newer_field(MANIFEST_CHECKSUM, CHECKSUM_VERSION, version), field=MANIFEST_CHECKSUM)
@@ -845,6 +845,9 @@ class _Decoder:
             where = f"quantizers/{i}"
             while isinstance(qd, dict):
                 cls = QUANTIZER_REGISTRY.get(qd.get("kind"))
+                since = getattr(cls, "KIND_VERSION", (1, 0))
+                if version < since:
+                    self.fail(_newer_field(f"quantizer kind {cls.kind!r}", since, version), field=f"{where}/kind")
                 for name, since in getattr(cls, "FIELD_VERSIONS", {}).items():
                     if name in qd and version < since:
                         self.fail(_newer_field(f"{cls.kind} field {name}", since, version), field=f"{where}/{name}")

@@ -361,9 +361,18 @@ class Checkpoint:
                 for n, t in raw.items():
                     copier.copy(dst[n], t.view(dtypes[n]) if dtypes else t)
                 raw = dst
-            out = self._build(proto, raw)
+            out = self._checked(name, self._build(proto, raw))
         cache[ident] = out
         return out
+
+    def _checked(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (tensor ``name`` as read), refused where a buffer holds a value its format never
+        writes (``Quantizer.refused_value``: MXFP4's E8M0 NaN scale byte)."""
+        if isinstance(t, QuantizedTensorStorage):
+            bad = t.quantizer.refused_value(t.buffers())
+            if bad is not None:
+                raise CheckpointError(bad[1], file=str(self.path), tensor=name, field=bad[0])
+        return t
 
     def _build(self, proto: TensorProto, raw: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tensor of ``proto`` from its buffers: TensorProto's unflatten context + the storage
@@ -507,7 +516,7 @@ class Checkpoint:
         ranges = q.member_ranges(i)
         parts = {buf.name: self.read_region(name, buf, (ranges[buf.name][0],), (ranges[buf.name][1],), verify=verify)
                  for buf in self.pieces(name)}
-        return q.assemble_member(i, parts, proto.dtype, requires_grad=proto.requires_grad)
+        return self._checked(name, q.assemble_member(i, parts, proto.dtype, requires_grad=proto.requires_grad))
 
     def _get_members(self, name: str, members, verify: bool) -> torch.Tensor:
         """Members ``start`` .. ``stop - 1`` of a grouped tensor as a grouped tensor, reading only their
@@ -522,7 +531,8 @@ class Checkpoint:
         specs = part.describe_buffers(part.group_shape)
         parts = {buf.name: self.read_region(name, buf, (spans[buf.name][0],), (spans[buf.name][1],), verify=verify)
                  .view(specs[buf.name].dtype) for buf in self.pieces(name)}
-        return part.tensor_class(part.group_shape, proto.dtype, part, requires_grad=proto.requires_grad, **parts)
+        return self._checked(name, part.tensor_class(part.group_shape, proto.dtype, part,
+                                                      requires_grad=proto.requires_grad, **parts))
 
     def _get_slice(self, name: str, rows, cols, verify: bool) -> torch.Tensor:
         proto = self._protos[name]
@@ -554,8 +564,8 @@ class Checkpoint:
             return out.requires_grad_(True) if proto.requires_grad else out
         dtypes = {n: spec.dtype for n, spec in q.describe_buffers(new_shape).items()}
         pieces = {n: t.view(dtypes[n]) for n, t in regions.items()}
-        return q.tensor_class(new_shape, proto.dtype, q, requires_grad=proto.requires_grad,
-                              **slice_from_regions(q, new_shape, pieces))
+        return self._checked(name, q.tensor_class(new_shape, proto.dtype, q, requires_grad=proto.requires_grad,
+                                                  **slice_from_regions(q, new_shape, pieces)))
 
     def load_tensors(self, names=None, device: str | torch.device = "cpu", *,
                      verify: bool = False, as_te: bool = False, mmap: bool = True) -> dict[str, torch.Tensor]:

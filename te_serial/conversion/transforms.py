@@ -460,7 +460,13 @@ def execute(step: Step, src: torch.Tensor, x_fn: Callable[[], torch.Tensor]) -> 
     out: dict[str, torch.Tensor] = {}
     for usage in q.conversion_usages():
         if usage not in step.requant:
-            out.update(p.derive(bufs, shape, q, usage))
+            got = p.derive(bufs, shape, q, usage)
+            if got is None:  # the format's exact rule depends on the bytes, and these break it
+                step = dataclasses.replace(step, method="requantize", exact=False, requant=step.requant | {usage},
+                                           note=(step.note + "; " if step.note else "") + f"{usage} usage: the "
+                                           "source's values are not exactly representable: requantized")
+            else:
+                out.update(got)
     if step.data_dependent:
         q = q.settle(x_fn(), out)
         step = dataclasses.replace(step, out_q=q)

@@ -25,8 +25,8 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import BufferMismatchError, FormatError, ShapeError
 from .engine import QuantizeEngine
 from .layout_rules import LayoutRules
-from .protocol import (QUANTIZER_REGISTRY, BufferSpec, StorageMeta, UsageLayout, _FIELD_TYPES, _encode_field,
-                       resolve_quantizer)
+from .protocol import (QUANTIZER_REGISTRY, ROWWISE, BufferSpec, StorageMeta, UsageLayout, _FIELD_TYPES,
+                       _encode_field, resolve_quantizer)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensors import QuantizedTensor, QuantizedTensorStorage
@@ -49,6 +49,9 @@ class Quantizer(LayoutRules, QuantizeEngine):
     #: field → the format version (major, minor) that added it, for every field added after 1.0: a
     #: manifest of an older version holding the field is refused (schema/README.md §10)
     FIELD_VERSIONS: ClassVar[Mapping[str, tuple[int, int]]] = {}
+    #: the format version (major, minor) that added this quantizer kind: a manifest of an older
+    #: version naming it is refused (schema/README.md §10)
+    KIND_VERSION: ClassVar[tuple[int, int]] = (1, 0)
     #: class returned by ``quantize(internal=True)`` and ``quantize()`` respectively
     storage_class: ClassVar[type["QuantizedTensorStorage"]]
     tensor_class: ClassVar[type["QuantizedTensor"]]
@@ -145,6 +148,9 @@ class Quantizer(LayoutRules, QuantizeEngine):
     # --- the format's rules (the protocol every format implements) -----------------------------
     #: adapter to TE's own classes (``formats/te_adapter.py``), set when the format registers one
     te_adapter: ClassVar[Any] = None
+    #: whether Transformer Engine has a tensor class for this format (MXFP4 has none in TE 2.20): a
+    #: format with one registers a TE adapter; ``to_te`` and TE's ``TensorSpec`` refuse one without
+    has_te_class: ClassVar[bool] = True
     #: holds tensor state (delayed scaling's scale and amax) that a conversion fills from the data
     data_dependent: ClassVar[bool] = False
 
@@ -183,6 +189,8 @@ class Quantizer(LayoutRules, QuantizeEngine):
         format and usages, or None. The source's format declares its exact paths here."""
         if self.same_layout(target):
             return dataclasses.replace(self, rowwise=target.rowwise, columnwise=target.columnwise)
+        if target.takes_exact_values:
+            return target
         return None
 
     def of_whole(self, shape) -> "Quantizer":
@@ -204,13 +212,35 @@ class Quantizer(LayoutRules, QuantizeEngine):
         return self.usages_on()
 
     def derivable(self, out: "Quantizer", usage: str) -> bool:
-        """Can ``usage`` of ``out`` (from :meth:`exact_output`) be built from this tensor's bytes?"""
+        """Can ``usage`` of ``out`` (from :meth:`exact_output`) be built from this tensor's bytes
+        (for some bytes: :meth:`derive` may find these do not allow it)?"""
+        if out.takes_exact_values and not self.same_layout(out):
+            return True
         return self.has_usage(usage)
 
     def derive(self, buffers: Mapping[str, torch.Tensor], shape, out: "Quantizer",
-               usage: str) -> dict[str, torch.Tensor]:
-        """``usage``'s buffers of the ``out`` tensor, built from this tensor's bytes (``derivable``)."""
+               usage: str) -> dict[str, torch.Tensor] | None:
+        """``usage``'s buffers of the ``out`` tensor, built from this tensor's bytes (``derivable``);
+        None where an exact rule that depends on the bytes does not hold for these (the conversion
+        then requantizes that usage and reports it lossy)."""
+        if out.takes_exact_values and not self.same_layout(out):
+            return out.exact_from_values(self.usage_values(buffers, shape, usage), usage)
         return self.usage_buffers(buffers, usage)
+
+    #: as a conversion target, holds any source's values exactly where they are representable,
+    #: decided per tensor from the values (:meth:`exact_from_values`: MXFP4)
+    takes_exact_values: ClassVar[bool] = False
+
+    def exact_from_values(self, values: torch.Tensor, usage: str) -> dict[str, torch.Tensor] | None:
+        """``usage``'s buffers holding fp32 ``values`` bit for bit, or None where this format cannot
+        (formats that :attr:`takes_exact_values`)."""
+        return None
+
+    def usage_values(self, buffers: Mapping[str, torch.Tensor], shape, usage: str) -> torch.Tensor:
+        """fp32 values of ``usage`` (the other usage where this tensor lacks it)."""
+        u = usage if self.has_usage(usage) else self.usages_on()[0]
+        q = self.set_usage(rowwise=u == ROWWISE, columnwise=u != ROWWISE)
+        return q.dequantize_buffers({n: buffers[n] for n in q.describe_buffers(shape)}, shape, torch.float32)
 
     def refused_value(self, buffers: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
         """(buffer name, why) where ``buffers`` hold a value this format never writes and no reader

@@ -45,7 +45,7 @@ from ..errors import FormatError, ShapeError, UnsupportedOperationError
 from .protocol import COLUMNWISE, ROWWISE, BufferSpec
 from .tensors import QuantizedTensor, QuantizedTensorStorage
 from .base import Quantizer
-from .te_adapter import TE_ADAPTERS, TEAdapter, register_te_adapter
+from .te_adapter import TE_ADAPTERS, TEAdapter, adapter_for, register_te_adapter
 
 #: TE's grouped buffer attribute names, in flatten order
 GROUPED_BUFFERS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax")
@@ -330,8 +330,20 @@ class GroupedQuantizer(Quantizer):
         """``usage``'s grouped buffers of ``out``, each member's derived by the member format."""
         members = self.split_buffers(buffers, internal=True)
         parts = [self.member.derive(m.buffers(), s, out.member, usage) for m, s in zip(members, self.member_shapes)]
+        if any(p is None for p in parts):  # a member's bytes break its format's exact rule: the group requantizes
+            return None
         return {g: torch.cat([p[m].reshape(-1) for p in parts])
                 for g, m in out._lay().member_name.items() if m in parts[0]}
+
+    def refused_value(self, buffers):
+        if self.member is None:
+            return None
+        grouped_name = {m: g for g, m in self._lay().member_name.items()}
+        for i, m in enumerate(self.split_buffers(buffers, internal=True)):
+            bad = self.member.refused_value(m.buffers())
+            if bad is not None:
+                return grouped_name[bad[0]], f"member {i}: {bad[1]}"
+        return None
 
     def default_usages(self):
         return (True, True) if self.member is None else (self.rowwise, self.columnwise)  # plain members: as plain
@@ -714,7 +726,7 @@ class _GroupedTE(TEAdapter):
         return g, g.merge_buffers([{n: b for n, b in bufs.items() if b is not None} for _, bufs in read])
 
     def te_quantizer(self, q, te):
-        return q.member.te_adapter.te_quantizer(q.member, te) if q.member is not None else None
+        return adapter_for(q.member).te_quantizer(q.member, te) if q.member is not None else None
 
     def to_te(self, t: GroupedTensorStorage, te) -> Any:
         """TE's GroupedTensor holding ``t``'s bytes (TE allocates; workspace buffers are zeroed)."""

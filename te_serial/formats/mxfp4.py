@@ -47,12 +47,21 @@ from ..kernel_ops import transpose_bytes
 from ..tracing import tracing
 from .base import Quantizer
 from .engine import BlockAmax, blocks_amax
+from .mxfp8 import MXFP8Quantizer
+from .nvfp4 import NVFP4Quantizer
 from .protocol import COLUMNWISE, ROWWISE, BufferSpec, UsageLayout, flatten_2d
 from .tensors import QuantizedTensor, QuantizedTensorStorage
 
 BLOCK = 32  # the OCP MX block (shared/docs/mxfp4.md §0)
 #: E8M0's NaN byte: never a valid MXFP4 scale
 E8M0_NAN = 0xFF
+E4M3 = torch.float8_e4m3fn
+#: the E4M3 byte of each E2M1 code (shared/docs/mxfp4.md §6): ``s<<7 | (e+6)<<3 | m<<2``, 0.5 → 0x30,
+#: ±0 → 0x00 / 0x80; the same value, so a block keeps its E8M0 byte
+E2M1_TO_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C, 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC)
+#: NVFP4 keeping the codes: the largest spread of block exponents, and the largest E8M0 byte, whose
+#: tensor amax 2688 · 2^g is a finite fp32 (shared/docs/mxfp4.md §6)
+NVFP4_MAX_SPREAD, NVFP4_MAX_BYTE = 17, 251
 
 
 class MXFP4TensorStorage(QuantizedTensorStorage):
@@ -74,6 +83,9 @@ class MXFP4Quantizer(Quantizer):
     kind: ClassVar[str] = "mxfp4"
     storage_class: ClassVar[type] = MXFP4TensorStorage
     tensor_class: ClassVar[type] = MXFP4Tensor
+    has_te_class: ClassVar[bool] = False
+    #: format 1.5 added the kind: a 1.4 reader refuses it by name (an unknown quantizer kind)
+    KIND_VERSION: ClassVar[tuple[int, int]] = (1, 5)
 
     columnwise: bool = dataclasses.field(default=False, kw_only=True)
 
@@ -119,6 +131,121 @@ class MXFP4Quantizer(Quantizer):
             if s is not None and s.numel() and bool((s.view(torch.uint8) == E8M0_NAN).any()):
                 return name, "MXFP4 scale byte 0xFF (E8M0 NaN) is never a valid block scale"
         return None
+
+    # --- exact conversions (shared/docs/mxfp4.md §6) -----------------------------------------------
+    takes_exact_values: ClassVar[bool] = True
+
+    @staticmethod
+    def _keeps_codes(target: Quantizer) -> bool:
+        """MXFP8 E4M3 in 1×32 blocks, or NVFP4 in 1×16 blocks with one tensor amax and TE's divisor:
+        formats that hold MXFP4's codes and scales as they are (some only for some bytes)."""
+        if isinstance(target, MXFP8Quantizer):
+            return target.fp8_dtype == E4M3 and not target.with_2d_quantization
+        return (isinstance(target, NVFP4Quantizer) and not target.with_2d_quantization
+                and not target.row_scaled_nvfp4 and target.nvfp4_e4m3_max == 448)
+
+    def exact_output(self, target):
+        if self._keeps_codes(target):
+            return target
+        return super().exact_output(target)
+
+    def derivable(self, out, usage):
+        if isinstance(out, NVFP4Quantizer):  # the rowwise codes verbatim; NVFP4's columnwise is 1×16 along M
+            return usage == ROWWISE and self.rowwise
+        return isinstance(out, (MXFP8Quantizer, MXFP4Quantizer))  # other blocks: where the values allow
+
+    def derive(self, buffers, shape, out, usage):
+        if isinstance(out, MXFP4Quantizer):
+            if self.has_usage(usage):
+                return self.usage_buffers(buffers, usage)
+            return out.exact_from_values(self.usage_values(buffers, shape, usage), usage)
+        if isinstance(out, NVFP4Quantizer):
+            return self._into_nvfp4(buffers, shape, out)
+        if self.has_usage(usage):  # MXFP8 blocks of the same 32 elements: each code's E4M3 byte, the same scale
+            src = self.usage_layout(usage)
+            lut = torch.tensor(E2M1_TO_E4M3, dtype=torch.uint8, device=buffers[src.data].device)
+            lay = out.usage_layout(usage)
+            return {lay.data: out.data_buffer(lut[self.codes(buffers, shape, usage).long()], shape, usage),
+                    lay.scale: out.scale_buffer(self.block_scales(buffers, shape, usage), shape, usage)}
+        return self._reblocked_mxfp8(buffers, shape, out, usage)
+
+    def _element_exponents(self, buffers: Mapping[str, torch.Tensor], shape, usage: str
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [M, K], each element's block exponent b − 127 as int32 [M, K]) of ``usage``."""
+        codes = self.codes(buffers, shape, usage)
+        e = self.block_scales(buffers, shape, usage).to(torch.int32) - 127
+        e = e.repeat_interleave(BLOCK, dim=1 if usage == ROWWISE else 0)
+        return codes, e
+
+    def _reblocked_mxfp8(self, buffers, shape, out: MXFP8Quantizer, usage: str) -> dict[str, torch.Tensor] | None:
+        """MXFP8 ``usage`` from this tensor's other usage: each MXFP8 block of 32 crosses 32 MXFP4
+        blocks; its exponent is the largest of theirs (over codes of nonzero magnitude) less 6
+        (6 · 2^6 ≤ 448), at least −127, and the block is exact when every code fits E4M3 there
+        (a spread of at most 14). None where one does not: the tensor is requantized."""
+        src = ROWWISE if usage == COLUMNWISE else COLUMNWISE
+        codes, e = self._element_exponents(buffers, shape, src)
+        m, k = codes.shape
+        live = torch.where((codes & 0x7) != 0, e, torch.full_like(e, -127))
+        blocks = live.reshape(m, k // BLOCK, BLOCK).amax(2) if usage == ROWWISE else \
+            live.reshape(m // BLOCK, BLOCK, k).amax(1)
+        col = torch.clamp(blocks - 6, min=-127)  # the MXFP8 block exponents, on its grid
+        spread = col.repeat_interleave(BLOCK, dim=1 if usage == ROWWISE else 0)
+        values = self.decode(codes, self.block_scales(buffers, shape, src)) if src == ROWWISE else \
+            self.decode(codes.t().contiguous(), self.block_scales(buffers, shape, src).t()).t()
+        byte = (spread + 127).to(torch.uint8)
+        q8 = nx.scale_and_cast_to_fp8(values * nx.e8m0_quant_scale(byte), None, E4M3)
+        if not torch.equal((nx.fp8_to_float(q8, E4M3) * nx.e8m0_dequant_scale(byte)).view(torch.int32),
+                           values.view(torch.int32)):
+            return None
+        lay = out.usage_layout(usage)
+        return {lay.data: out.data_buffer(q8, shape, usage),
+                lay.scale: out.scale_buffer((col + 127).to(torch.uint8), shape, usage)}
+
+    def _into_nvfp4(self, buffers, shape, out: NVFP4Quantizer) -> dict[str, torch.Tensor] | None:
+        """NVFP4's rowwise usage keeping the codes: each 32-block two 16-blocks of E4M3 scale
+        2^(e_b − g), tensor amax 2688 · 2^g (g = max e_b − 8), over the blocks holding a code of
+        nonzero magnitude; exact iff their exponents spread by ≤ 17 and none has byte > 251 (None
+        otherwise). Blocks of zeros get scale 0."""
+        m, k = flatten_2d(tuple(shape))
+        data = buffers["_rowwise_data"].reshape(m, k // 2)
+        b = self.block_scales(buffers, shape, ROWWISE).to(torch.int32)  # [M, K/32]
+        live = ((nx.unpack_fp4(data) & 0x7) != 0).reshape(m, k // BLOCK, BLOCK).any(2)
+        if bool(live.any()):
+            lo, hi = int(b[live].min()), int(b[live].max())
+            if hi - lo > NVFP4_MAX_SPREAD or hi > NVFP4_MAX_BYTE:
+                return None
+        else:
+            lo = hi = 127
+        g = hi - 127 - 8
+        d = torch.clamp(b - 127 - g, min=-9)  # the block scale 2^d: E4M3 normal (d + 7) << 3, or 2^-7 .. 2^-9
+        sub = torch.tensor([0x01, 0x02, 0x04], dtype=torch.int32, device=b.device)
+        s = torch.where(d >= -6, (d + 7) << 3, sub[torch.clamp(d + 9, 0, 2)])
+        s = torch.where(live, s, torch.zeros_like(s)).to(torch.uint8).repeat_interleave(2, dim=1)
+        amax = torch.tensor([nx.FP4_MAX * 448 * 2.0 ** g], dtype=torch.float32, device=b.device)
+        lay = out.usage_layout(ROWWISE)
+        got = {lay.data: data.reshape(out.describe_buffers(shape)[lay.data].shape).clone(),
+               lay.scale: out.scale_buffer(s, shape, ROWWISE), lay.amax: amax}
+        want = self.usage_values(buffers, shape, ROWWISE)
+        have = out.set_usage(rowwise=True, columnwise=False).dequantize_buffers(got, shape, torch.float32)
+        return got if torch.equal(have.view(torch.int32), want.view(torch.int32)) else None
+
+    def exact_from_values(self, values, usage):
+        """MXFP4 holds ``values`` where each 32-block of ``usage`` is E2M1 codes times one 2^e
+        (−127 ≤ e ≤ 127): quantizing them then finds that e (the least with max|x| ≤ 6 · 2^e, and
+        E2M1 is closed under doubling up to 6) and casts without rounding; −0.0 keeps its sign."""
+        if bool(nx.isnan(values).any()):
+            return None
+        shape = tuple(values.shape)
+        q = self.set_usage(rowwise=usage == ROWWISE, columnwise=usage != ROWWISE)
+        bufs = q.quantize(values, internal=True).buffers()
+        lay = q.usage_layout(usage)
+        neg_zero = (values == 0) & (values.view(torch.int32) < 0)
+        if bool(neg_zero.any()):
+            m, k = flatten_2d(shape)
+            codes = q.codes(bufs, shape, usage) | (neg_zero.reshape(m, k).to(torch.uint8) << 3)
+            bufs[lay.data] = q.data_buffer(codes, shape, usage)
+        back = q.dequantize_buffers(bufs, shape, torch.float32)
+        return bufs if torch.equal(back.view(torch.int32), values.view(torch.int32)) else None
 
     # --- numerics ---------------------------------------------------------------------------------
     def fusable(self) -> bool:

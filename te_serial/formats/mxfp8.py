@@ -93,7 +93,9 @@ class MXFP8Quantizer(Quantizer):
         return BLOCK, BLOCK
 
     def exact_output(self, target):
-        if not isinstance(target, MXFP8Quantizer) or target.fp8_dtype != self.fp8_dtype:
+        if not isinstance(target, MXFP8Quantizer):
+            return super().exact_output(target)  # MXFP4 where the values are representable
+        if target.fp8_dtype != self.fp8_dtype:
             return None
         if target.with_2d_quantization and not self.with_2d_quantization:
             return None
@@ -101,9 +103,13 @@ class MXFP8Quantizer(Quantizer):
                                    rowwise=target.rowwise, columnwise=target.columnwise)
 
     def derivable(self, out, usage):
+        if not isinstance(out, MXFP8Quantizer):
+            return super().derivable(out, usage)
         return self.has_usage(usage) or self.with_2d_quantization
 
     def derive(self, buffers, shape, out, usage):
+        if not isinstance(out, MXFP8Quantizer):
+            return super().derive(buffers, shape, out, usage)
         if self.has_usage(usage):
             return self.usage_buffers(buffers, usage)
         src = ROWWISE if usage == COLUMNWISE else COLUMNWISE

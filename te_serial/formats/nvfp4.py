@@ -249,7 +249,7 @@ class NVFP4Quantizer(Quantizer):
 
     def exact_output(self, target):
         if not isinstance(target, NVFP4Quantizer):
-            return None
+            return super().exact_output(target)  # MXFP4 where the values are representable
         if target.with_2d_quantization and not self.with_2d_quantization:
             return None
         if (self.row_scaled_nvfp4, self.nvfp4_e4m3_max) != (target.row_scaled_nvfp4, target.nvfp4_e4m3_max):
@@ -275,6 +275,8 @@ class NVFP4Quantizer(Quantizer):
                                    nvfp4_4over6_err_mode=self.nvfp4_4over6_err_mode)
 
     def derivable(self, out, usage):
+        if not isinstance(out, NVFP4Quantizer):
+            return super().derivable(out, usage)
         if usage == ROWWISE:
             return self.rowwise or self._usages_transposed()
         if self.columnwise and self._same_columnwise(out):
@@ -282,6 +284,8 @@ class NVFP4Quantizer(Quantizer):
         return self.rowwise and self._usages_transposed() and not out.with_rht
 
     def derive(self, buffers, shape, out, usage):
+        if not isinstance(out, NVFP4Quantizer):
+            return super().derive(buffers, shape, out, usage)
         if self.has_usage(usage) and (usage == ROWWISE or self._same_columnwise(out)):
             return self.usage_buffers(buffers, usage)
         src = ROWWISE if usage == COLUMNWISE else COLUMNWISE  # 16×16 tiles without the RHT

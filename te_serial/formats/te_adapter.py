@@ -172,6 +172,17 @@ class TEAdapter:
         return q, q.zero_padding(out, shape)
 
 
+def adapter_for(q: Quantizer) -> "TEAdapter":
+    """The TE adapter of quantizer ``q``'s class; a :class:`FormatError` naming the format where it has
+    none (MXFP4: Transformer Engine has no tensor class for it)."""
+    adapter = type(q).te_adapter
+    if adapter is None:
+        why = ("no TE adapter is registered for it" if type(q).has_te_class else
+               "Transformer Engine has no tensor class for this format; te-serial keeps it as its own tensor")
+        raise FormatError(f"{type(q).__name__} ({q.layout_name()}) has no Transformer Engine equivalent: {why}")
+    return adapter
+
+
 def register_te_adapter(adapter: TEAdapter, *quantizers: type[Quantizer]) -> TEAdapter:
     """Register ``adapter`` under TE's class names and as the adapter of ``quantizers``."""
     for table, names in ((TE_ADAPTERS, (adapter.te_tensor, adapter.te_storage)),

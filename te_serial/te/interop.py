@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, TeSerialError
-from ..formats import QuantizedTensorStorage, Quantizer
-from ..formats.te_adapter import TE_ADAPTERS, TE_EXPERIMENTAL, TEAdapter, find_te_adapter
+from ..formats import QuantizedTensorStorage
+from ..formats.te_adapter import TE_ADAPTERS, TE_EXPERIMENTAL, adapter_for, find_te_adapter
 
 
 class TransformerEngineUnavailable(TeSerialError, ImportError):
@@ -52,13 +52,6 @@ class _TE:
     @staticmethod
     def module(name: str) -> Any:
         return _te_module(name)
-
-
-def _q_adapter(q: Quantizer) -> TEAdapter:
-    adapter = type(q).te_adapter
-    if adapter is None:
-        raise FormatError(f"no TE adapter for {type(q).__name__}")
-    return adapter
 
 
 def is_te_tensor(t: Any) -> bool:
@@ -95,7 +88,7 @@ def to_te(t: QuantizedTensorStorage) -> Any:
     if not isinstance(t, QuantizedTensorStorage):
         raise FormatError(f"to_te needs a te-serial quantized tensor, got {type(t).__name__}")
     q = t.quantizer
-    adapter, te = _q_adapter(q), _TE()
+    adapter, te = adapter_for(q), _TE()
     if hasattr(adapter, "to_te"):  # a class TE builds itself (GroupedTensor: formats/grouped.py)
         return adapter.to_te(t, te)
     b = t.buffers()

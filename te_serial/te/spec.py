@@ -29,9 +29,9 @@ from typing import Any
 
 from ..errors import FormatError
 from ..formats.base import Quantizer
-from ..formats.te_adapter import TE_QUANTIZER_ADAPTERS, find_te_adapter
+from ..formats.te_adapter import TE_QUANTIZER_ADAPTERS, adapter_for, find_te_adapter
 from ..proto import TensorProto
-from .interop import _q_adapter, _te_module, _TE
+from .interop import _te_module, _TE
 
 
 def to_te_spec(proto: TensorProto) -> Any:
@@ -41,7 +41,7 @@ def to_te_spec(proto: TensorProto) -> Any:
         raise FormatError(f"to_te_spec needs a TensorProto, got {type(proto).__name__}")
     tensor_spec = _te_module("dynamo.tensor_spec")
     q = proto.quantizer
-    tq = None if q is None else _q_adapter(q).te_quantizer(q, _TE())
+    tq = None if q is None else adapter_for(q).te_quantizer(q, _TE())
     return tensor_spec.TensorSpec(shape=proto.shape, dtype=proto.dtype, quantizer=tq,
                                   requires_grad=proto.requires_grad, device=proto.device)
 
