@@ -861,6 +861,20 @@ def _same_usage_bytes(a: QuantizedTensorStorage, b: QuantizedTensorStorage, usag
         for n in ba)
 
 
+def _compare_members(src: torch.Tensor, result: QuantizedTensorStorage) -> ErrorStats | None:
+    """A grouped result against a grouped source of the same members, one member at a time in its own
+    (stored) orientation: no copy of a transposed stack's values. None where the two are not such a pair."""
+    sq, rq = getattr(src, "quantizer", None), result.quantizer
+    if not (sq is not None and sq.is_container and rq.is_container and sq.member is not None
+            and rq.member is not None and sq.member_shapes == rq.member_shapes):
+        return None
+    stats = None
+    for a, b in zip(src.members(), result.members()):
+        s = compare(values(a), values(b))
+        stats = s if stats is None else stats.worst(s)
+    return stats
+
+
 def _output_bytes(plan: TensorPlan) -> int:
     """The bytes a plan's output buffers hold (what its result keeps alive until written)."""
     return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan.keys)
@@ -969,8 +983,8 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
             stats = None
             for s in found:
                 stats = s if stats is None else stats.worst(s)
-            if stats is None:  # no 2-D usage of its own (a grouped tensor): its values as a whole
-                stats = compare(primary(), values(result))
+            if stats is None:  # no 2-D usage of its own (a grouped tensor): member by member, or as a whole
+                stats = _compare_members(src, result) or compare(primary(), values(result))
         if measured != "full":
             stats.sampled = measured
     note = step.note
