@@ -49,6 +49,7 @@ GOLDENS = {
     "grouped_moe": (1, 3), "nvfp4_row_scaled": (1, 3), "nvfp4_4over6": (1, 3),
     "mxfp8_e8m0_edges": (1, 3), "dcp_two_ranks": (1, 3),
     "grouped_transposed": (1, 4),
+    "mxfp4": (1, 5),
 }
 GOLDEN_NAMES = tuple(GOLDENS)
 #: goldens in the directory layout (te_serial.msgpack + shards); the others are single files
@@ -56,9 +57,9 @@ DIRECTORY_GOLDENS = {"dir_two_shards", "dcp_two_ranks"}
 #: goldens holding chunked tensors (format 1.2's tensors.chunks, schema/README.md §13)
 CHUNKED_GOLDENS = {"dcp_two_ranks"}
 #: the quantizer kinds and storage classes the goldens must cover between them
-KINDS = {"fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_blockwise", "nvfp4"}
-MAX_GOLDEN_BYTES = 560_000  # format 1.3 added grouped_moe, nvfp4_row_scaled, nvfp4_4over6, mxfp8_e8m0_edges,
-# dcp_two_ranks
+KINDS = {"fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4"}
+MAX_GOLDEN_BYTES = 590_000  # format 1.3 added grouped_moe, nvfp4_row_scaled, nvfp4_4over6, mxfp8_e8m0_edges,
+# dcp_two_ranks; 1.5 mxfp4 (30 KB)
 
 HEADER_KEY = "te_serial.manifest"
 MANIFEST_NAME = "te_serial.msgpack"
@@ -229,7 +230,7 @@ def test_records_match_the_golden_list():
         assert rec.get("layout", "file") == ("directory" if name in DIRECTORY_GOLDENS else "file"), name
         assert rec["file"] == golden(name).name, name
     # every format version so far has golden files
-    assert {v for v in GOLDENS.values()} == {(1, 0), (1, 1), (1, 3), (1, 4)}
+    assert {v for v in GOLDENS.values()} == {(1, 0), (1, 1), (1, 3), (1, 4), (1, 5)}
 
 
 def test_goldens_cover_every_format():
@@ -242,7 +243,8 @@ def test_goldens_cover_every_format():
                 storages.add(t["storage"])
                 usages.add((q["kind"], q["rowwise"], q["columnwise"]))
     assert kinds == KINDS | {"grouped"}  # grouped (MoE) tensors: format 1.3's grouped_moe
-    assert storages == {"Float8Tensor", "MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor", "GroupedTensor"}
+    assert storages == {"Float8Tensor", "MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor", "GroupedTensor",
+                        "MXFP4Tensor"}
     for kind in KINDS:  # both usages, rowwise only and columnwise only, for every format
         assert {(kind, True, True), (kind, True, False), (kind, False, True)} <= usages, kind
 

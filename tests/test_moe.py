@@ -252,7 +252,7 @@ def test_a_stack_that_would_mix_blocks_is_refused_naming_the_tensor_and_the_rule
         ts.load_into(meta, tmp_path / "out")
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_block", "mxfp4"])
 def test_gpt_oss_experts_stored_in_out_are_quantized_along_their_reduction_dim(recipe, tmp_path):
     """gpt-oss holds its experts [E, in, out] (``x @ w[i]``): each member is the expert's transpose,
     quantized as TE's [out, in] weight (blocks along ``in``), in a transposed group (format 1.4)."""
@@ -277,7 +277,7 @@ def test_gpt_oss_experts_stored_in_out_are_quantized_along_their_reduction_dim(r
 
 # --- join_rows: the exact inverse of slicing by rows --------------------------------------------
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current", "fp8_block", "fp8_block_1d"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current", "fp8_block", "fp8_block_1d", "mxfp4"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_join_rows_is_the_inverse_of_slicing(recipe, columnwise):
     q = recipe_quantizer(recipe, rowwise=True, columnwise=columnwise)

@@ -388,6 +388,29 @@ def case_grouped_transposed() -> dict:
     return {"model": {"layers": [{"mlp": {"experts": out}}]}}
 
 
+def case_mxfp4() -> dict:
+    """MXFP4 (format 1.5, schema/README.md §7.5; no TE class): rowwise 2-D and 3-D, columnwise only,
+    both usages; blocks at E8M0's ends (0: all zero and 2^-127-scaled, 254: ±inf), every E2M1 tie,
+    -0.0; and gpt-oss-style expert stacks (a transposed group of MXFP4 members)."""
+    from te_serial.formats.grouped import per_expert
+    Q = ts.MXFP4Quantizer
+    edges = make_input((32, 128), 210, torch.float32)
+    edges[:, :32] = 0.0                                   # byte 0, codes 0
+    edges[:, 32:64] *= 2.0 ** -126                        # byte 0 (2^-127), non-zero codes
+    edges[0, 64], edges[1, 65] = float("inf"), float("-inf")  # byte 254 in rows 0 and 1
+    edges[2, 96:104] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # the ties under 2^0
+    edges[3, 96:98] = torch.tensor([6.0, -0.0])
+    experts = torch.stack([make_input((64, 32), 211 + i, outliers=True) * 10.0 ** (2 * i - 2) for i in range(3)])
+    experts[1].zero_()
+    return {"layers": [{"weight": Q()(make_input((64, 96), 212, torch.bfloat16, outliers=True)),
+                        "weight_3d": Q()(make_input((2, 32, 64), 213, torch.float16))}],
+            "columnwise_only": Q(rowwise=False, columnwise=True)(make_input((64, 32), 214, torch.bfloat16)),
+            "both": Q(columnwise=True)(make_input((32, 64), 215, torch.bfloat16, zero_tile=True, tiny_tile=True)),
+            "edges": Q()(edges),
+            "model": {"layers": [{"mlp": {"experts": {
+                "gate_up_proj": per_expert(Q(), (3, 64, 32), transposed=True).quantize(experts)}}}]}}
+
+
 def case_nvfp4_row_scaled() -> dict:
     """Row-scaled NVFP4 (format 1.3): ``_amax_rowwise`` holds one amax per row; rowwise only. An
     all-zero row (amax 0), a zero tile, a 2^-100 tile and outliers; 3-D fp32; with 4over6 (MSE, 256)."""
@@ -617,6 +640,9 @@ CASES: dict[str, Case] = {
     # format 1.4
     "grouped_transposed": Case(case_grouped_transposed, "grouped tensors of [in, out] expert stacks (gpt-oss), each "
                                "member stored transposed: MXFP8 and NVFP4", (1, 4)),
+    # format 1.5
+    "mxfp4": Case(case_mxfp4, "MXFP4 (no TE class): rowwise, columnwise, both, E8M0 edge bytes 0 and 254, E2M1 "
+                  "ties, and a transposed group of MXFP4 experts (gpt-oss)", (1, 5)),
     "dcp_two_ranks": Case(case_dcp_two_ranks, "te_serial.dcp.save from 2 processes: chunked tensors (format 1.2) of "
                           "every format, row and column shards, transposed buffers on square and non-square "
                           "tensors, a grouped tensor, row-scaled NVFP4", (1, 3), directory=True, dcp_world=2,

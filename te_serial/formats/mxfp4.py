@@ -59,9 +59,10 @@ E4M3 = torch.float8_e4m3fn
 #: the E4M3 byte of each E2M1 code (shared/docs/mxfp4.md §6): ``s<<7 | (e+6)<<3 | m<<2``, 0.5 → 0x30,
 #: ±0 → 0x00 / 0x80; the same value, so a block keeps its E8M0 byte
 E2M1_TO_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C, 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC)
-#: NVFP4 keeping the codes: the largest spread of block exponents, and the largest E8M0 byte, whose
-#: tensor amax 2688 · 2^g is a finite fp32 (shared/docs/mxfp4.md §6)
-NVFP4_MAX_SPREAD, NVFP4_MAX_BYTE = 17, 251
+#: NVFP4 keeping the codes: the largest spread of block exponents (E4M3 scales 2^−9 … 2^8), and the
+#: largest E8M0 byte. shared/docs/mxfp4.md §6 says 251 (amax = 2688 · 2^g finite), but TE's dequantize
+#: forms (scale · amax) first, 2688 · 2^e_b, which overflows fp32 past e_b = 116: byte 243
+NVFP4_MAX_SPREAD, NVFP4_MAX_BYTE = 17, 243
 
 
 class MXFP4TensorStorage(QuantizedTensorStorage):
@@ -204,8 +205,8 @@ class MXFP4Quantizer(Quantizer):
     def _into_nvfp4(self, buffers, shape, out: NVFP4Quantizer) -> dict[str, torch.Tensor] | None:
         """NVFP4's rowwise usage keeping the codes: each 32-block two 16-blocks of E4M3 scale
         2^(e_b − g), tensor amax 2688 · 2^g (g = max e_b − 8), over the blocks holding a code of
-        nonzero magnitude; exact iff their exponents spread by ≤ 17 and none has byte > 251 (None
-        otherwise). Blocks of zeros get scale 0."""
+        nonzero magnitude; exact iff their exponents spread by ≤ 17 and none has byte > 243 (None
+        otherwise; the values are checked too). Blocks of zeros get scale 0."""
         m, k = flatten_2d(tuple(shape))
         data = buffers["_rowwise_data"].reshape(m, k // 2)
         b = self.block_scales(buffers, shape, ROWWISE).to(torch.int32)  # [M, K/32]
