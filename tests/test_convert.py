@@ -46,15 +46,18 @@ EXACT = {
     # another divisor (6 * 256): exact into itself and into the serving layouts, which state it as
     # it is (amax / 1536, as ModelOpt writes 4over6); a per-row amax only into itself
     "nvfp4_4over6": {"nvfp4_4over6", *_NVFP4_OUT}, "nvfp4_row_scaled": {"nvfp4_row_scaled"},
+    # each code's E4M3 byte under the same scale byte, in either usage (shared/docs/mxfp4.md §6); NVFP4
+    # keeps only the rowwise codes (its columnwise copy is requantized)
+    "mxfp4": {"mxfp4", "mxfp8", *_MXFP8_OUT},
 }
 #: (max |err| / amax, rel RMSE) bounds of one rounding into each target format
-BOUNDS = {"e4m3": (1 / 16, 0.05), "e5m2": (1 / 8, 0.1), "nvfp4": (0.25, 0.2), "fp16": (1e-3, 1e-3),
+BOUNDS = {"e4m3": (1 / 16, 0.05), "e5m2": (1 / 8, 0.1), "fp4": (0.25, 0.2), "fp16": (1e-3, 1e-3),
           "bf16": (1 / 128, 1e-2)}
 
 
 def _bound_key(target: str) -> str:
-    if "nvfp4" in target:
-        return "nvfp4"
+    if "fp4" in target:  # NVFP4 and MXFP4: E2M1 codes
+        return "fp4"
     if target.endswith("e5m2"):
         return "e5m2"
     if target in PLAIN_TARGETS:
