@@ -796,7 +796,9 @@ CHUNK_EDITS = {
     "float": (lambda d: _chunked_row(d)[1]["offsets"][0][1].__setitem__(0, float(_chunked_row(d)[1]["offsets"][0][1][0])),
               "not an integer"),
     "files row": (lambda d: d["tensors"]["files"].__setitem__(_chunked_row(d)[0], [0]), "must be empty"),
-    "version 1.1": (lambda d: d.__setitem__("version", [1, 1]), "needs format 1.2"),
+    # the checkpoint holds every format, MXFP4 (format 1.5) too: relabelled 1.1 it breaks both rules
+    "version 1.1": (lambda d: d.__setitem__("version", [1, 1]), r"needs format 1\.[25]"),
+    "version 1.4": (lambda d: d.__setitem__("version", [1, 4]), "'mxfp4' needs format 1.5"),
     "column length": (lambda d: d["tensors"]["chunks"].pop(), "different lengths"),
     "tied": (lambda d: _tie(d), "cannot be tied"),
 }
