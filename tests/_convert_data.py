@@ -107,6 +107,13 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     return (E2M1[codes].reshape(n, -1, 16) * s[..., None]).reshape(n, kh * 2)
 
 
+def mxfp4_dequantize(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """MXFP4: e2m1 · 2^(e - 127) per 32 elements along a row (element 2i in the low nibble)."""
+    n, kh = packed.shape
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, kh * 2).long()
+    return (E2M1[codes].reshape(n, -1, 32) * torch.exp2(exponents.float() - 127)[..., None]).reshape(n, kh * 2)
+
+
 def mxfp8_dequantize(q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     """MXFP8: fp8 · 2^(e - 127) per 32 elements along a row (E8M0 exponents as U8)."""
     n, k = q.shape

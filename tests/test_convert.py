@@ -20,7 +20,8 @@ from te_serial.errors import ConversionError
 from te_serial.recipes import RECIPES, recipe_quantizer
 
 from _convert_data import (E4M3, _write_hf, ct_checkpoint, ct_dequantize, deepseek_checkpoint,
-                           deepseek_dequantize, mxfp8_dequantize, nvfp4_dequantize, plain_state_dict, randn)
+                           deepseek_dequantize, mxfp4_dequantize, mxfp8_dequantize, nvfp4_dequantize,
+                           plain_state_dict, randn)
 
 tc = importlib.import_module("te_serial.conversion")
 
@@ -33,6 +34,7 @@ _PER_TENSOR_EXACT = {"fp8_current", "fp8_delayed", "fp8_block", "fp8_block_1d", 
                      "compressed_tensors_fp8_tensor", "modelopt_fp8", *_BLOCK_OUT}
 _NVFP4_OUT = {"modelopt_nvfp4", "compressed_tensors_nvfp4"}
 _MXFP8_OUT = {"modelopt_mxfp8", "compressed_tensors_mxfp8", "sglang_mxfp8"}
+_MXFP4_OUT = {"modelopt_mxfp4", "compressed_tensors_mxfp4"}
 #: source format → targets whose path is exact (written from the formats' definitions, not the code)
 EXACT = {
     "fp8_current": _PER_TENSOR_EXACT, "fp8_delayed": _PER_TENSOR_EXACT, "ct_fp8_tensor": _PER_TENSOR_EXACT,
@@ -48,7 +50,7 @@ EXACT = {
     "nvfp4_4over6": {"nvfp4_4over6", *_NVFP4_OUT}, "nvfp4_row_scaled": {"nvfp4_row_scaled"},
     # each code's E4M3 byte under the same scale byte, in either usage (shared/docs/mxfp4.md §6); NVFP4
     # keeps only the rowwise codes (its columnwise copy is requantized)
-    "mxfp4": {"mxfp4", "mxfp8", *_MXFP8_OUT},
+    "mxfp4": {"mxfp4", "mxfp8", *_MXFP8_OUT, *_MXFP4_OUT},
 }
 #: (max |err| / amax, rel RMSE) bounds of one rounding into each target format
 BOUNDS = {"e4m3": (1 / 16, 0.05), "e5m2": (1 / 8, 0.1), "fp4": (0.25, 0.2), "fp16": (1e-3, 1e-3),
@@ -150,6 +152,9 @@ def _read_output(dst: Path, family: str) -> tuple[dict[str, dict[str, torch.Tens
             g = raw[p + ("weight_scale_2" if family.startswith("modelopt") else "weight_global_scale")]
             vals[name] = {"plain": nvfp4_dequantize(t, s, g, family.startswith("modelopt"))}
             nbytes[name] = size(t, s, g, *act)
+        elif family.endswith("mxfp4") and p + "weight_scale" in raw:   # packed E2M1, E8M0 bytes per 1x32
+            s = raw[p + "weight_scale"]
+            vals[name], nbytes[name] = {"plain": mxfp4_dequantize(t, s)}, size(t, s, *act)
         elif family.endswith("mxfp8") and p + "weight_scale" in raw:
             s = raw[p + "weight_scale"]
             vals[k], nbytes[k] = {"plain": mxfp8_dequantize(t, s)}, size(t, s, *act)
@@ -177,8 +182,10 @@ def _stats(ref: torch.Tensor, out: torch.Tensor) -> tuple[bool, float, float, fl
 #: the serving layouts added with ModelOpt / NVFP4 / MXFP8 (every TE recipe into each of them is in
 #: test_serving_layouts.py): here against a few sources of each kind, to keep the matrix's time down
 _NEW_SERVING = {"compressed_tensors_nvfp4", "compressed_tensors_mxfp8", "modelopt_nvfp4", "modelopt_mxfp8",
-                "modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8_block"}
+                "modelopt_fp8", "modelopt_fp8_pb_wo", "compressed_tensors_fp8_block", *_MXFP4_OUT}
 _NEW_SERVING_SOURCES = {"te:nvfp4_2d", "te:mxfp8", "te:fp8_current", "plain", "deepseek", "ct_channel"}
+#: targets that quantize MoE experts only (this matrix's checkpoints have none): tests/test_mxfp4_layouts.py
+_EXPERTS_ONLY = {"gpt_oss_mxfp4"}
 #: the NVFP4 variants (4over6, row-scaled; test_nvfp4_variants.py holds their rules) against a few
 #: partners each way, for the same reason
 _VARIANTS = {"nvfp4_4over6", "nvfp4_row_scaled"}
@@ -186,6 +193,10 @@ _VARIANT_PARTNERS = {"te:nvfp4_2d", "plain", "nvfp4", "bf16", "modelopt_nvfp4", 
 
 
 def _in_matrix(s: str, t: str) -> bool:
+    if t in _EXPERTS_ONLY:
+        return False
+    if t in _MXFP4_OUT and s == "te:mxfp4":   # the exact path into the MXFP4 serving layouts
+        return True
     src_variant = s.removeprefix("te:") in _VARIANTS
     if src_variant or t in _VARIANTS:
         return (t if src_variant else s).removeprefix("te:") in _VARIANT_PARTNERS or s in _VARIANT_PARTNERS

@@ -11,7 +11,12 @@ ratios the conversion issue asks for:
 
 Each size runs once per ``--stats`` mode (default ``full`` — the conversion's own per-tensor
 check, dequantize both usages and compare with the source — and ``none``); ``--eager`` adds the
-same runs with ``TE_SERIAL_EAGER=1`` and prints fused / eager. Wire it into tools/bench.py with ``add_parser(subparsers)`` and ``run(args)``.
+same runs with ``TE_SERIAL_EAGER=1`` and prints fused / eager.
+
+A gpt-oss line (``--only-gpt-oss`` for it alone): ``te-serial convert`` of a gpt-oss MXFP4 directory
+(experts ``_blocks`` / ``_scales``) to te-serial MXFP8, in GB/s of bytes written, against the disk's
+write speed measured in the same run (a plain safetensors copy: read, ``save_file``, fsync), A/B
+interleaved; the ratio's target is >= 0.9. Wire it into tools/bench.py with ``add_parser(subparsers)`` and ``run(args)``.
 """
 
 from __future__ import annotations
@@ -232,6 +237,69 @@ def make_export_source(path: Path, total_bytes: int, shape: tuple[int, int], rec
     return {"bytes": n * per, "tensors": n}
 
 
+def make_gpt_oss_source(path: Path, total_bytes: int, hidden: int = 2880, experts: int = 32, seed: int = 0) -> dict:
+    """A gpt-oss MXFP4 directory of ~``total_bytes``: layers of ``experts`` experts (gpt-oss-120b's hidden and
+    intermediate size 2880), ``gate_up_proj`` / ``down_proj`` as ``_blocks`` U8 [E, out, in/32, 16] and ``_scales``
+    U8 [E, out, in/32] of random codes and E8M0 bytes, with BF16 biases; one shard per layer."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    h = i = hidden
+    per_layer = experts * (2 * i * h + h * i) * 17 // 32
+    layers = max(1, total_bytes // per_layer)
+    weight_map, nbytes = {}, 0
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        tensors = {}
+        for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            tensors[p + proj + "_blocks"] = torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8, generator=g)
+            tensors[p + proj + "_scales"] = torch.randint(118, 130, (experts, n, k // 32), dtype=torch.uint8, generator=g)
+            tensors[p + proj + "_bias"] = torch.randn(experts, n, generator=g).to(torch.bfloat16)
+        name = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": nbytes},
+                                                                   "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": h, "intermediate_size": i,
+        "num_local_experts": experts, "num_hidden_layers": layers,
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}}))
+    return {"bytes": nbytes, "layers": layers}
+
+
+def run_gpt_oss(args) -> None:
+    """The gpt-oss line: convert of a gpt-oss MXFP4 directory to te-serial MXFP8 (GB/s of bytes written)
+    against a plain safetensors copy of the source (the disk's write speed), A/B interleaved, median of
+    ``--repeat``, on disk (``--dir``)."""
+    work = Path(tempfile.mkdtemp(prefix="te-serial-bench-gpt-oss-", dir=args.dir))
+    try:
+        src = work / "gpt-oss-mxfp4"
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_make_gpt_oss", str(src),
+                              str(int(args.export_gib * 2 ** 30))], capture_output=True, text=True, check=True)
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+        rows = []
+        for r in range(args.repeat):
+            for mode in ("copy", "export:mxfp8"):
+                dst = work / f"{mode.replace(':', '-')}-{r}"
+                os.sync()
+                rows.append((mode, _export_child(mode, src, dst)))
+                shutil.rmtree(dst, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {}
+    for m in ("copy", "export:mxfp8"):
+        rates = sorted(r["bytes"] / r["seconds"] for mm, r in rows if mm == m)
+        med[m] = rates[len(rates) // 2]
+    conv = next(r for mm, r in rows if mm == "export:mxfp8")
+    print(f"gpt-oss: te-serial convert of a gpt-oss MXFP4 directory ({info['layers']} layers of 32 experts, "
+          f"H = I = 2880, {info['bytes'] / 2 ** 30:.2f} GiB) -> te-serial mxfp8, vs the disk's write speed (a plain "
+          f"safetensors copy of the source); GB/s of bytes written, median of {args.repeat}, A/B interleaved")
+    print(f"{'safetensors copy (disk write speed)':>44}{med['copy'] / 1e9:>8.3f}")
+    print(f"{'convert gpt-oss mxfp4 -> mxfp8':>44}{med['export:mxfp8'] / 1e9:>8.3f}"
+          f"   {med['export:mxfp8'] / med['copy']:.2f}x disk write (target >= 0.9)   labels {conv['labels']}")
+
+
 def _export_child(mode: str, src: Path, dst: Path) -> dict:
     res = subprocess.run([sys.executable, "-c", _EXPORT_CHILD, mode, str(src), str(dst), str(ROOT)],
                          capture_output=True, text=True, check=False)
@@ -312,6 +380,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--export-shape", default="8192x4096", help="its tensors' shape (default 8192x4096)")
     p.add_argument("--repeat", type=int, default=3, help="export line: runs of each side (median)")
     p.add_argument("--only-export", action="store_true", help="print only the export line")
+    p.add_argument("--only-gpt-oss", action="store_true", help="print only the gpt-oss MXFP4 -> MXFP8 line")
     p.set_defaults(func=run)
     return p
 
@@ -319,6 +388,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     if getattr(args, "only_export", False):
         run_export(args)
+        return 0
+    if getattr(args, "only_gpt_oss", False):
+        run_gpt_oss(args)
         return 0
     sizes = [float(s) for s in str(args.gib).split(",") if s.strip()]
     modes = [m for m in str(args.stats).split(",") if m.strip()]
@@ -366,6 +438,7 @@ def run(args) -> int:
         for f, e in zip(rs, eager):
             print(f"stats {mode}, {f['gib']:g} GiB: fused / eager = {e['seconds'] / f['seconds']:.2f}x")
     run_export(args)
+    run_gpt_oss(args)
     return 0
 
 
@@ -373,6 +446,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_make_export"]:
         print(json.dumps(make_export_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]), argv[4])))
+        return 0
+    if argv[:1] == ["_make_gpt_oss"]:
+        print(json.dumps(make_gpt_oss_source(Path(argv[1]), int(argv[2]))))
         return 0
     if argv[:1] == ["_make"]:
         print(json.dumps(make_source(Path(argv[1]), int(argv[2]), _parse_shape(argv[3]))))

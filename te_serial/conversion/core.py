@@ -217,13 +217,20 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
         except (ShapeError, FormatError) as e:
             return refuse(str(e))
         return plan_te(st.quantizer, q, dtype, st.dtype), None
+    layout = LAYOUTS[family]
     if is_expert_weight(name, shape):  # 3-D experts the architecture's checkpoints keep whole (gpt-oss)
-        raise ConversionError(f"{t.name}: MoE experts held as one 3-D tensor (shape {list(shape)}; this "
-                              "architecture's checkpoints do not name each expert) are not written to serving "
-                              "layouts yet; convert to a te-serial recipe or to bf16", file=src_file, tensor=name)
+        rep = layout.expert_representation(t.scheme, shape)
+        if rep is None:
+            raise ConversionError(f"{t.name}: MoE experts held as one 3-D tensor (shape {list(shape)}; this "
+                                  "architecture's checkpoints do not name each expert) are not written to this "
+                                  "serving layout; convert to gpt_oss_mxfp4 (gpt-oss), a te-serial recipe or bf16",
+                                  file=src_file, tensor=name)
+        return plan_external(st.quantizer, t.scheme, rep, dtype, st.dtype, st.uniform_rows), t.scheme
+    if layout.experts_only:
+        return refuse(f"{t.name} quantizes MoE experts only (3-D <p>.experts.<proj>); the rest stays high precision")
     if len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return refuse(f"{t.name} holds 2-D '*.weight' tensors only (got shape {list(shape)})")
-    rep = LAYOUTS[family].representation(t.scheme)
+    rep = layout.representation(t.scheme)
     if st.quantizer is not None:
         rep = st.quantizer.serving_form(rep)  # e.g. 4over6's E4M3 bound, which the layouts state as it is
     try:
@@ -854,6 +861,20 @@ def _same_usage_bytes(a: QuantizedTensorStorage, b: QuantizedTensorStorage, usag
         for n in ba)
 
 
+def _compare_members(src: torch.Tensor, result: QuantizedTensorStorage) -> ErrorStats | None:
+    """A grouped result against a grouped source of the same members, one member at a time in its own
+    (stored) orientation: no copy of a transposed stack's values. None where the two are not such a pair."""
+    sq, rq = getattr(src, "quantizer", None), result.quantizer
+    if not (sq is not None and sq.is_container and rq.is_container and sq.member is not None
+            and rq.member is not None and sq.member_shapes == rq.member_shapes):
+        return None
+    stats = None
+    for a, b in zip(src.members(), result.members()):
+        s = compare(values(a), values(b))
+        stats = s if stats is None else stats.worst(s)
+    return stats
+
+
 def _output_bytes(plan: TensorPlan) -> int:
     """The bytes a plan's output buffers hold (what its result keeps alive until written)."""
     return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan.keys)
@@ -962,8 +983,8 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
             stats = None
             for s in found:
                 stats = s if stats is None else stats.worst(s)
-            if stats is None:  # no 2-D usage of its own (a grouped tensor): its values as a whole
-                stats = compare(primary(), values(result))
+            if stats is None:  # no 2-D usage of its own (a grouped tensor): member by member, or as a whole
+                stats = _compare_members(src, result) or compare(primary(), values(result))
         if measured != "full":
             stats.sampled = measured
     note = step.note

@@ -61,7 +61,8 @@ CONFIG_NAME = "config.json"
 #: every layout name ``detect_layout`` gives: te-serial, plain safetensors, and each serving layout's
 #: (one per weight scheme it offers, and its name for a checkpoint mixing them)
 LAYOUTS = ("te-serial", "safetensors", *dict.fromkeys(
-    n for lay in LAYOUT_FAMILIES.values() for n in (*map(lay.layout_name, lay.offers), lay.source_name) if n))
+    n for lay in LAYOUT_FAMILIES.values()
+    for n in (*map(lay.layout_name, lay.offers), *lay.read_only.values(), lay.source_name) if n))
 #: te-serial checkpoint metadata key holding the activation amax of each layer (JSON), kept so a
 #: later export can still write static activation scales
 ACT_AMAX_KEY = "te_serial.activation_amax"
@@ -331,6 +332,10 @@ class SafetensorsSource(Source):
         """Every tensor key in the source's files, in file order."""
         return list(self._where)
 
+    def has(self, key: str) -> bool:
+        """Is ``key`` a tensor in the source's files?"""
+        return key in self._where
+
     def file_of(self, key: str) -> str:
         """The path of the file holding ``key``."""
         return self._where[key]
@@ -407,11 +412,14 @@ class SafetensorsSource(Source):
         if method == "compressed-tensors":
             self.ct_schemes = ct_schemes(qc, self.config_file)
             return "ct"
+        if method == "mxfp4":  # gpt-oss (transformers' Mxfp4Config)
+            return "gpt_oss"
         if method is not None:
             raise UnknownLayoutError(
                 f"quantization_config quant_method {method!r} is not a layout te-serial reads (it reads plain "
-                "safetensors, ModelOpt ('modelopt': NVFP4, MXFP8, FP8, FP8_PB_WO), compressed-tensors (FP8, NVFP4, "
-                "MXFP8) and DeepSeek-V3 block FP8 ('fp8'))", file=self.config_file, field="quantization_config")
+                "safetensors, ModelOpt ('modelopt': NVFP4, MXFP4, MXFP8, FP8, FP8_PB_WO), compressed-tensors (FP8, "
+                "NVFP4, MXFP4, MXFP8), DeepSeek-V3 block FP8 and V4 FP4 experts ('fp8') and gpt-oss MXFP4 ('mxfp4'))",
+                file=self.config_file, field="quantization_config")
         return None
 
     def _classify(self) -> str:
@@ -424,18 +432,20 @@ class SafetensorsSource(Source):
             if ds and scaled:
                 self.fail("checkpoint mixes DeepSeek-style weight_scale_inv and compressed-tensors weight_scale "
                            "tensors", ds[0])
-            if any(k.endswith(".weight_scale_2") for k in keys):
+            if any(k.endswith("_blocks") and k[: -len("_blocks")] + "_scales" in keyset for k in keys):
+                family = "gpt_oss"
+            elif any(k.endswith(".weight_scale_2") for k in keys):
                 family, self.modelopt_algo = "modelopt", None
             elif scaled:
                 family = "ct"
-            elif ds:
-                family = "deepseek"
+            elif ds or any(k.endswith(".scale") and self.info(k)[0] == torch.float8_e8m0fnu for k in keys):
+                family = "deepseek"   # DeepSeek-V3's weight_scale_inv, V4's E8M0 <m>.scale
         elif family == "deepseek" and scaled:
             self.fail("config.json says deepseek_fp8 but the tensors are laid out as compressed-tensors / ModelOpt "
                        "(weight_scale)")
         elif family in ("ct", "modelopt") and ds:
             self.fail(f"config.json says {family} but the tensors are laid out as deepseek_fp8 (weight_scale_inv)")
-        consumes = {"ct": (".weight_packed", ".weight_global_scale")}.get(family, ())
+        consumes = {"ct": (".weight_packed", ".weight_global_scale"), "gpt_oss": ("_blocks",)}.get(family, ())
         for k in keys:
             for suffix, (what, sibling) in _FOREIGN_SUFFIXES.items():
                 if suffix in consumes:

@@ -34,7 +34,7 @@ KEEP = "keep"
 #: families: "te" (te-serial checkpoint), "plain" (HF safetensors), and the serving layouts
 #: "modelopt", "ct" (compressed-tensors), "deepseek"
 FAMILY_LAYOUT = {"te": "te-serial", "plain": "safetensors", "deepseek": "block FP8 (weight_scale_inv)",
-                 "ct": "compressed-tensors", "modelopt": "ModelOpt"}
+                 "ct": "compressed-tensors", "modelopt": "ModelOpt", "gpt_oss": "gpt-oss MXFP4"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ scheme     te-serial representation (rowwise only)       what the layouts store
 nvfp4      ``NVFP4Quantizer`` 1×16                        packed E2M1 ``[N, K/2]`` U8, E4M3 block
                                                           scales ``[N, K/16]``, one fp32 global scale
 mxfp8      ``MXFP8Quantizer(e4m3)`` 1×32                  E4M3 ``[N, K]``, E8M0 exponents ``[N, K/32]``
+mxfp4      ``MXFP4Quantizer`` 1×32                        packed E2M1 ``[N, K/2]`` U8, E8M0 exponents
+                                                          ``[N, K/32]`` U8
 fp8_tensor ``Float8CurrentScalingQuantizer(e4m3)``        E4M3 ``[N, K]``, one fp32 scale
 fp8_channel ``Float8BlockQuantizer`` 1×128, rows share    E4M3 ``[N, K]``, fp32 scale ``[N, 1]``
 fp8_block  ``Float8BlockQuantizer`` 128×128               E4M3 ``[N, K]``, fp32 ``[⌈N/128⌉, ⌈K/128⌉]``
@@ -30,7 +32,8 @@ from typing import Callable
 import torch
 
 from ... import kernel_ops
-from ...formats import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
+from ...formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP4Quantizer, MXFP8Quantizer,
+                        NVFP4Quantizer, Quantizer)
 from ...formats.protocol import ROWWISE
 from ...formats.tensors import QuantizedTensorStorage
 
@@ -57,6 +60,7 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("nvfp4", lambda pow2: NVFP4Quantizer(rowwise=True, columnwise=False), "codes", two_level=True),
     Scheme("mxfp8", lambda pow2: MXFP8Quantizer(E4M3, rowwise=True, columnwise=False), "exponents"),
+    Scheme("mxfp4", lambda pow2: MXFP4Quantizer(rowwise=True, columnwise=False), "exponents"),
     Scheme("fp8_tensor", lambda pow2: Float8CurrentScalingQuantizer(E4M3, rowwise=True, columnwise=False), "tensor"),
     Scheme("fp8_channel", lambda pow2: Float8BlockQuantizer(E4M3, rowwise=True, columnwise=False, block_scaling_dim=1,
                                                            force_pow_2_scales=pow2), "channel"),

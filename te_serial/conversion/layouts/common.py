@@ -73,6 +73,11 @@ class ExternalLayout:
     mixed_name: str = ""
     #: ``detect_layout``'s name for a checkpoint of this layout holding several weight schemes
     source_name: str = ""
+    #: weight scheme → the layout's name for it, for schemes it reads but does not write
+    read_only: dict[str, str] = {}
+    #: the layout quantizes MoE experts only, written whole (3-D) under transformers' names (gpt-oss);
+    #: other layouts take 2-D ``*.weight`` tensors, experts one by one
+    experts_only: bool = False
 
     # --- naming ------------------------------------------------------------------------------
     @property
@@ -81,12 +86,13 @@ class ExternalLayout:
         return {s: o.modes for s, o in self.offers.items()}
 
     def layout_name(self, scheme: str) -> str:
-        o = self.offers[scheme]
-        return o.name or o.target
+        o = self.offers.get(scheme)
+        return self.read_only[scheme] if o is None else o.name or o.target
 
     def tensor_format(self, scheme: str) -> str:
         """A weight's format as reports name it."""
-        return self.offers[scheme].fmt or self.layout_name(scheme)
+        o = self.offers.get(scheme)
+        return self.read_only[scheme] if o is None else o.fmt or self.layout_name(scheme)
 
     def representation(self, scheme: str) -> Quantizer:
         return representation(scheme)
@@ -136,6 +142,11 @@ class ExternalLayout:
                                   field="activations")
 
     # --- export --------------------------------------------------------------------------------
+    def expert_representation(self, scheme: str, shape: tuple[int, ...]) -> Quantizer | None:
+        """The te-serial quantizer (rowwise) of a 3-D expert stack of ``shape`` this layout writes whole,
+        or None where it writes experts one by one (:attr:`experts_only` layouts)."""
+        return None
+
     def weight_keys(self, name: str, shape: tuple[int, ...], scheme: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
 
@@ -275,8 +286,8 @@ def sidecar_entry(t: QuantizedTensorStorage, source_q: Quantizer | None = None) 
     recorded = source_q if source_q is not None and source_q.rowwise and _same_rowwise(
         source_q.set_usage(rowwise=True, columnwise=False), q) else q
     entry: dict[str, Any] = {"quantizer": recorded.to_dict(), "dtype": str(t.fake_dtype).replace("torch.", "")}
-    lay = q.usage_layout(ROW)
-    if lay.amax is not None and q.has_usage(ROW):
+    lay = None if q.is_container else q.usage_layout(ROW)   # a grouped tensor's members hold no tensor amax here
+    if lay is not None and lay.amax is not None and q.has_usage(ROW):
         entry["amax"] = float(t.buffers()[lay.amax].reshape(())).hex()
     return entry
 

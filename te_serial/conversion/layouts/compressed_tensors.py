@@ -14,6 +14,9 @@ Per quantized linear ``<m>``, by the group's ``format``:
   ``[1]``. compressed-tensors' reader's value is ``e2m1 · (float(weight_scale) /
   weight_global_scale)``, vLLM's ``e2m1 · (float(weight_scale) · fp32(1 / weight_global_scale))``.
 * ``mxfp8-quantized``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]``.
+* ``mxfp4-pack-quantized`` (``MXFP4PackedCompressor``): ``<m>.weight_packed`` U8 ``[N, K/2]`` (element
+  2i in the low nibble), ``<m>.weight_scale`` U8 ``[N, K/32]`` of E8M0 exponents; no global scale.
+  MoE experts are per-expert linears under the model's names (gate and up apart).
 * ``float-quantized`` strategy ``block`` (llm-compressor's ``FP8_BLOCK``): ``<m>.weight`` F8_E4M3
   ``[N, K]`` + ``<m>.weight_scale`` ``[⌈N/128⌉, ⌈K/128⌉]`` (value = fp8 · its block's scale),
   activations quantized at run time per token group of 128: TE's 128×128 blockwise FP8, exactly.
@@ -38,7 +41,7 @@ from .modelopt import e2m1_values, e4m3_values, require_nvfp4_global_scale
 if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
 
-_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "fp8_channel": "float-quantized",
+_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "mxfp4": "mxfp4-pack-quantized", "fp8_channel": "float-quantized",
            "fp8_tensor": "float-quantized", "fp8_block": "float-quantized"}
 _BLOCK = [128, 128]
 _NVFP4_ACT = 448.0 * 6.0   # NVFP4 activations: global scale = this / amax
@@ -87,6 +90,9 @@ class CompressedTensors(ExternalLayout):
         "mxfp8": Offer("compressed_tensors_mxfp8", "compressed-tensors mxfp8-quantized: E4M3 weight, E8M0 (U8) "
                        "weight_scale per 32", {"weight_only": "MXFP8A16", "dynamic": "MXFP8 (W8A8)"}, fmt="ct_mxfp8",
                        aliases=("ct_mxfp8",)),
+        "mxfp4": Offer("compressed_tensors_mxfp4", "compressed-tensors mxfp4-pack-quantized: weight_packed (E2M1), "
+                       "E8M0 (U8) weight_scale per 32", {"weight_only": "MXFP4A16", "dynamic": "MXFP4 (W4A4)"},
+                       fmt="ct_mxfp4", aliases=("ct_mxfp4",)),
     }
 
     # --- export -----------------------------------------------------------------------------------
@@ -98,6 +104,8 @@ class CompressedTensors(ExternalLayout):
                     (p + "weight_global_scale", (1,), F32)]
         if scheme == "mxfp8":
             return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
+        if scheme == "mxfp4":
+            return [(p + "weight_packed", (n, k // 2), torch.uint8), (p + "weight_scale", (n, k // 32), torch.uint8)]
         if scheme == "fp8_block":
             return [(name, (n, k), E4M3), (p + "weight_scale", (nx.ceil_div(n, 128), nx.ceil_div(k, 128)), F32)]
         return [(name, (n, k), E4M3), (p + "weight_scale", (n, 1) if scheme == "fp8_channel" else (1,), F32)]
@@ -115,6 +123,8 @@ class CompressedTensors(ExternalLayout):
             ws2 = parts.amax.to(F32) / torch.tensor(parts.divisor, dtype=F32)
             return {p + "weight_packed": parts.data, p + "weight_scale": parts.scale,
                     p + "weight_global_scale": (1 / ws2).reshape(1)}
+        if scheme == "mxfp4":
+            return {p + "weight_packed": parts.data, p + "weight_scale": parts.scale}
         scale = parts.scale.reshape(1) if scheme == "fp8_tensor" else parts.scale
         return {name: parts.data, p + "weight_scale": scale}
 
@@ -186,6 +196,10 @@ class CompressedTensors(ExternalLayout):
             w = _args(4, "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
             act = (_args(4, "tensor_group", group_size=16, dynamic="local", scale_dtype="torch.float8_e4m3fn",
                          observer="static_minmax") if mode == "static" else None)
+        elif scheme == "mxfp4":  # compressed-tensors' MXFP4A16 / MXFP4 presets
+            w = _args(4, "group", group_size=32, scale_dtype="torch.uint8")
+            act = (_args(4, "group", group_size=32, dynamic=True, scale_dtype="torch.uint8", observer=None)
+                   if mode == "dynamic" else None)
         elif scheme == "mxfp8":
             w = _args(8, "group", group_size=32, scale_dtype="torch.uint8")
             act = (_args(8, "group", group_size=32, dynamic=True, scale_dtype="torch.uint8", observer=None)
@@ -210,7 +224,16 @@ class CompressedTensors(ExternalLayout):
             p = k[: -len("weight_scale")]
             w, packed = p + "weight", p + "weight_packed"
             sd, ss, sb = src.info(k)
-            if packed in keyset:
+            if packed in keyset and sd == torch.uint8:  # mxfp4-pack-quantized: E8M0 bytes, no global scale
+                pd, ps, pb = src.info(packed)
+                if pd != torch.uint8 or len(ps) != 2 or ss != (ps[0], ps[1] * 2 // 32) or (ps[1] * 2) % 32:
+                    src.fail(f"MXFP4 weight_packed {pd}{list(ps)} with weight_scale {sd}{list(ss)}: expected U8 "
+                              "[N, K/2] and U8 [N, K/32] (K a multiple of 32)", k)
+                keys = {"weight": packed, "scale": k, "scheme": "mxfp4"}
+                shape, nbytes = (ps[0], ps[1] * 2), pb + sb
+                w = packed
+                name = p + "weight"
+            elif packed in keyset:
                 g = p + "weight_global_scale"
                 pd, ps, pb = src.info(packed)
                 if g not in keyset or pd != torch.uint8 or sd != E4M3 or len(ps) != 2 \
@@ -297,9 +320,10 @@ def ct_schemes(qc: dict, cfg_file: str) -> set[str]:
         group = group or {}
         gfmt = group.get("format") or fmt
         where = f"quantization_config.config_groups.{gname}"
-        if gfmt not in ("float-quantized", "nvfp4-pack-quantized", "mxfp8-quantized"):
+        if gfmt not in ("float-quantized", "nvfp4-pack-quantized", "mxfp8-quantized", "mxfp4-pack-quantized"):
             raise UnknownLayoutError(f"compressed-tensors format {gfmt!r} (group {gname!r}) is not read; te-serial reads "
-                                     "'float-quantized' FP8, 'nvfp4-pack-quantized' and 'mxfp8-quantized'",
+                                     "'float-quantized' FP8, 'nvfp4-pack-quantized', 'mxfp8-quantized' and "
+                                     "'mxfp4-pack-quantized'",
                                      file=cfg_file, field=where)
         w = group.get("weights")
         if not w:
@@ -312,11 +336,15 @@ def ct_schemes(qc: dict, cfg_file: str) -> set[str]:
         bits, strategy = w.get("num_bits"), w.get("strategy")
         if w.get("type") != "float" or bits not in (4, 8):
             raise UnknownLayoutError(f"weights are {w.get('type')!r} with {bits!r} bits; te-serial reads 8-bit float "
-                                     "(FP8 E4M3, MXFP8) and 4-bit float (NVFP4)", file=cfg_file, field=where)
+                                     "(FP8 E4M3, MXFP8) and 4-bit float (NVFP4, MXFP4)", file=cfg_file, field=where)
         if gfmt == "nvfp4-pack-quantized":
             if bits != 4 or w.get("group_size") != 16:
                 raise UnknownLayoutError("NVFP4 weights are 4-bit floats in groups of 16", file=cfg_file, field=where)
             out.add("nvfp4")
+        elif gfmt == "mxfp4-pack-quantized":
+            if bits != 4 or w.get("group_size") != 32:
+                raise UnknownLayoutError("MXFP4 weights are 4-bit floats in groups of 32", file=cfg_file, field=where)
+            out.add("mxfp4")
         elif gfmt == "mxfp8-quantized":
             if bits != 8 or w.get("group_size") != 32:
                 raise UnknownLayoutError("MXFP8 weights are 8-bit floats in groups of 32", file=cfg_file, field=where)

@@ -11,6 +11,11 @@ Per quantized linear ``<m>`` (``hf_quant_config.json`` ``quant_algo``):
   ``e2m1 · (float(weight_scale) · weight_scale_2)``.
 * ``MXFP8``: ``<m>.weight`` F8_E4M3 ``[N, K]``, ``<m>.weight_scale`` U8 ``[N, K/32]`` (E8M0
   exponents); activations are MXFP8-quantized at run time.
+* ``mxfp4`` (written lowercase, as ModelOpt does; dynamic MXFP4 activations) / ``W4A8_MXFP4_FP8``
+  (static per-tensor FP8 activations): ``<m>.weight`` U8 ``[N, K/2]`` (E2M1, element 2i in the low
+  nibble), ``<m>.weight_scale`` U8 ``[N, K/32]`` (E8M0 exponents); W4A8 adds ``<m>.input_scale`` F32
+  scalar = activation amax / 448. TensorRT-LLM reads these; vLLM's and SGLang's ModelOpt paths have
+  no MXFP4 (vLLM 0.33's ``QUANT_ALGOS``), so no engine te-serial tests against serves them.
 * ``FP8``: ``<m>.weight`` F8_E4M3, ``<m>.weight_scale`` F32 scalar (value = fp8 · scale),
   ``<m>.input_scale`` F32 scalar = activation amax / 448 (static, required).
 * ``FP8_PB_WO`` (written ``fp8_pb_wo``, lowercase, as ModelOpt 0.47 does; read in either case):
@@ -42,9 +47,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..sources import SafetensorsSource
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
-_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8", "FP8": "fp8_tensor", "FP8_PB_WO": "fp8_block"}
+_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8", "FP8": "fp8_tensor", "FP8_PB_WO": "fp8_block",
+          "MXFP4": "mxfp4", "W4A8_MXFP4_FP8": "mxfp4"}
 _BLOCK = 128
-_GROUP = {"nvfp4": 16, "mxfp8": 32}
+#: quant_algo → the group_size ModelOpt writes beside it (plain ``mxfp4`` has none)
+_GROUP = {"NVFP4": 16, "W4A16_NVFP4": 16, "MXFP8": 32, "W4A8_MXFP4_FP8": 32}
 _E4M3_MAX = 448.0
 
 
@@ -84,13 +91,16 @@ class ModelOpt(ExternalLayout):
         "fp8_block": Offer("modelopt_fp8_pb_wo", "ModelOpt FP8_PB_WO (quant_algo fp8_pb_wo): E4M3 weight, fp32 "
                            "weight_scale [N/128,1,K/128,1], weight-only", {"weight_only": "fp8_pb_wo"},
                            aliases=("modelopt_fp8_block",)),
+        "mxfp4": Offer("modelopt_mxfp4", "ModelOpt MXFP4 (quant_algo mxfp4, or W4A8_MXFP4_FP8 with static FP8 inputs): "
+                       "U8 packed E2M1 weight, E8M0 (U8) weight_scale per 32; TensorRT-LLM reads it, vLLM and SGLang "
+                       "have no ModelOpt MXFP4 path", {"dynamic": "mxfp4", "static": "W4A8_MXFP4_FP8"}),
     }
     extra_file_names = (HF_QUANT_CONFIG,)
     mixed_name = "modelopt_mixed"
     source_name = "modelopt"
     weight_tensor_scales = {"nvfp4": ("weight_scale_2",), "fp8_tensor": ("weight_scale",)}
     input_scales = {"nvfp4": ("input_scale",), "fp8_tensor": ("input_scale",), "mxfp8": ("input_scale",),
-                    "fp8_block": ("input_scale",)}
+                    "fp8_block": ("input_scale",), "mxfp4": ("input_scale",)}
 
     # --- export -----------------------------------------------------------------------------------
     def weight_keys(self, name, shape, scheme):
@@ -101,6 +111,8 @@ class ModelOpt(ExternalLayout):
                     (p + "weight_scale_2", (), F32)]
         if scheme == "mxfp8":
             return [(name, (n, k), E4M3), (p + "weight_scale", (n, k // 32), torch.uint8)]
+        if scheme == "mxfp4":
+            return [(name, (n, k // 2), torch.uint8), (p + "weight_scale", (n, k // 32), torch.uint8)]
         if scheme == "fp8_tensor":
             return [(name, (n, k), E4M3), (p + "weight_scale", (), F32)]
         return [(name, (n, k), E4M3), (p + "weight_scale", _block_scale_shape(n, k), F32)]
@@ -137,8 +149,8 @@ class ModelOpt(ExternalLayout):
 
     def _algo(self, scheme, mode):
         q = {"quant_algo": self.modes[scheme][mode]}
-        if scheme in _GROUP:
-            q["group_size"] = _GROUP[scheme]
+        if q["quant_algo"] in _GROUP:
+            q["group_size"] = _GROUP[q["quant_algo"]]
         return q
 
     def _body(self, groups, ignored, kv_cache=False):
@@ -217,6 +229,11 @@ class ModelOpt(ExternalLayout):
                 keys.update(scheme="nvfp4", glob=g)
                 nbytes += src.info(g)[2]
                 shape = (n, kh * 2)
+            elif wd == torch.uint8 and sd == torch.uint8:
+                if len(ws) != 2 or ss != (ws[0], ws[1] * 2 // 32) or (ws[1] * 2) % 32:
+                    src.fail(f"MXFP4 weight {list(ws)} with weight_scale {list(ss)}: expected U8 [N, K/2] and U8 "
+                              "[N, K/32] (K a multiple of 32)", k)
+                keys["scheme"], shape = "mxfp4", (ws[0], ws[1] * 2)
             elif wd == E4M3 and sd == torch.uint8:
                 n, kk = ws
                 if ss != (n, kk // 32):
@@ -228,7 +245,7 @@ class ModelOpt(ExternalLayout):
                 keys["scheme"], shape = "fp8_block", tuple(ws)
             else:
                 src.fail(f"ModelOpt weight {w!r} is {wd}{list(ws)} with weight_scale {sd}{list(ss)}: not NVFP4, "
-                          "MXFP8, FP8 or FP8_PB_WO ([N/128, 1, K/128, 1] or [N/128, K/128]) as ModelOpt writes them", k)
+                          "MXFP4, MXFP8, FP8 or FP8_PB_WO ([N/128, 1, K/128, 1] or [N/128, K/128]) as ModelOpt writes them", k)
             src.add_quantized(w, shape, keys, nbytes, self)
             inp = p + "input_scale"
             if inp in keyset:
