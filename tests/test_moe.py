@@ -327,23 +327,28 @@ def test_from_pretrained_quantizes_experts_on_load_and_loads_them_back(arch, rec
         assert torch.equal(again(ids).logits, dequantized_copy(expected, arch)(ids).logits)
 
 
+_ITEMSIZE = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2}
+
+
 def _spy_materialized(monkeypatch) -> list[int]:
-    """Bytes of every checkpoint tensor transformers reads while loading."""
+    """Bytes (as stored) of every checkpoint tensor transformers reads while loading."""
     import transformers.core_model_loading as cml
     seen: list[int] = []
     real = cml._materialize_copy
 
     def spy(tensor, device=None, dtype=None):
-        out = real(tensor, device, dtype)
-        seen.append(out.numel() * out.element_size())
-        return out
+        n = 1
+        for d in tensor.get_shape():
+            n *= d
+        seen.append(n * _ITEMSIZE.get(tensor.get_dtype(), 4))
+        return real(tensor, device, dtype)
     monkeypatch.setattr(cml, "_materialize_copy", spy)
     return seen
 
 
 def _bytes_but_quantized_data(path) -> int:
     """Bytes of a checkpoint's keys other than quantized data (te-serial's ``_rowwise_data`` /
-    ``_columnwise_data``; a layout's packed U8 / FP8 ``weight`` and ``weight_packed``)."""
+    ``_columnwise_data``; a layout's packed U8 / FP8 ``weight`` and ``weight_packed``; gpt-oss's ``_blocks``)."""
     from safetensors import safe_open
     total = 0
     for file in path.glob("*.safetensors"):
@@ -353,10 +358,9 @@ def _bytes_but_quantized_data(path) -> int:
                 n = 1
                 for d in sl.get_shape():
                     n *= d
-                data = k.endswith(("_rowwise_data", "_columnwise_data")) or (
+                data = k.endswith(("_rowwise_data", "_columnwise_data", "_blocks")) or (
                     k.endswith((".weight", ".weight_packed")) and sl.get_dtype() in ("U8", "F8_E4M3", "I8"))
-                total += 0 if data else n * {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2}.get(
-                    sl.get_dtype(), 4)
+                total += 0 if data else n * _ITEMSIZE.get(sl.get_dtype(), 4)
     return total
 
 

@@ -251,3 +251,32 @@ def test_load_into_gives_transformers_dequantized_gpt_oss_logits(recipe, tmp_pat
     with torch.no_grad():
         want, got = ref(ids).logits, model(ids).logits
     assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", [None, "mxfp4", "mxfp8"])
+def test_from_pretrained_of_a_gpt_oss_mxfp4_directory_with_te_serial_config(recipe, tmp_path, monkeypatch):
+    """``from_pretrained(gpt_oss_dir, quantization_config=TeSerialConfig(recipe=...))`` (transformers would
+    give the directory its own Mxfp4 quantizer): te-serial reads the experts' blocks and scales itself into
+    grouped quantized experts (the file's MXFP4 bytes, or MXFP8 exactly), no BF16 copy of them; logits equal
+    transformers' own dequantized gpt-oss, and save_pretrained writes a te-serial directory that loads back."""
+    transformers = pytest.importorskip("transformers")
+    hf = pytest.importorskip("te_serial.hf")
+    root, _ = D.gpt_oss_checkpoint(tmp_path / "g", lo=118, hi=124, adversarial=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        root, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
+    from test_moe import _bytes_but_quantized_data, _spy_materialized
+    seen = _spy_materialized(monkeypatch)
+    config = hf.TeSerialConfig(recipe=recipe, usages=["rowwise"], exclude=["*.self_attn.*"])  # the experts only
+    model = transformers.AutoModelForCausalLM.from_pretrained(root, quantization_config=config, dtype=torch.bfloat16)
+    assert sum(seen) <= _bytes_but_quantized_data(root)   # transformers read none of the experts' blocks
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, GroupedTensor) and isinstance(experts.down_proj, GroupedTensor)
+    assert experts.gate_up_proj.quantizer.member.kind == (recipe or "mxfp4")
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3, 2, 40]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert torch.isfinite(want).all() and torch.equal(model(ids).logits, want)
+    model.save_pretrained(tmp_path / "te")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "te")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
