@@ -61,6 +61,18 @@ def byte_histogram(x: torch.Tensor) -> torch.Tensor:
     return counts if counts is not None else torch.bincount(flat.int(), minlength=256)
 
 
+def map_byte_pairs(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each byte of uint8 ``x`` as the two bytes ``table[byte]`` (``table``: uint8 [256, 2]), so the last
+    dim doubles (eager only; packed FP4 codes to the E4M3 bytes of the same values): the C kernel on
+    CPU, else torch's gather through int32 indices (a widened copy)."""
+    pairs = table.contiguous().view(torch.int16).reshape(256)
+    flat = x.contiguous()
+    y = native.map_bytes_u16(flat, pairs)
+    if y is None:
+        y = torch.index_select(pairs, 0, flat.reshape(-1).int()).view(torch.uint8)
+    return y.reshape(*x.shape[:-1], 2 * x.shape[-1])
+
+
 # --- FP8 -----------------------------------------------------------------------------------------
 
 @torch.library.custom_op("te_serial::scale_cast_fp8", mutates_args=())

@@ -962,7 +962,10 @@ def convert_tensor(source: Source, plan: TensorPlan, family: str = "te",
         if not requantized and not step.requant:
             cache.clear()
         measured = stats if requantized or step.requant else "full"   # exact paths: always in full
-        if measured == "none":
+        if measured == "full" and quantized_src and all(src.quantizer.derives_by_table(result.quantizer, u)
+                                                        for u in result.quantizer.conversion_usages()):
+            stats = ErrorStats(True)   # each value by the source format's table: exact for any bytes
+        elif measured == "none":
             stats = ErrorStats(False, math.nan, math.nan, math.nan)
         else:
             rows = (sample_rows if measured == "sample" else all_rows)(st.shape, result, src)

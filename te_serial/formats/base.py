@@ -227,6 +227,12 @@ class Quantizer(LayoutRules, QuantizeEngine):
             return out.exact_from_values(self.usage_values(buffers, shape, usage), usage)
         return self.usage_buffers(buffers, usage)
 
+    def derives_by_table(self, out: "Quantizer", usage: str) -> bool:
+        """Whether :meth:`derive` builds ``usage`` of ``out`` by a fixed table that gives each stored
+        (code, block scale) the same value (MXFP4 codes as their E4M3 bytes under the same scale): exact
+        for any bytes, so a conversion need not compare the values element by element."""
+        return False
+
     #: as a conversion target, holds any source's values exactly where they are representable,
     #: decided per tensor from the values (:meth:`exact_from_values`: MXFP4)
     takes_exact_values: ClassVar[bool] = False

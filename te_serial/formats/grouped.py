@@ -327,13 +327,29 @@ class GroupedQuantizer(Quantizer):
         return self.member is not None and self.member.derivable(out.member, usage)
 
     def derive(self, buffers, shape, out, usage):
-        """``usage``'s grouped buffers of ``out``, each member's derived by the member format."""
+        """``usage``'s grouped buffers of ``out``, each member's derived by the member format (a stack
+        derived by a table, element by element: in one call over its members' rows joined, each
+        member's rows then a view of the one output)."""
+        from .slicing import cat_rows, join_rows, slice_buffers
         members = self.split_buffers(buffers, internal=True)
-        parts = [self.member.derive(m.buffers(), s, out.member, usage) for m, s in zip(members, self.member_shapes)]
-        if any(p is None for p in parts):  # a member's bytes break its format's exact rule: the group requantizes
-            return None
-        return {g: torch.cat([p[m].reshape(-1) for p in parts])
+        if self._stacked() and self.member.derives_by_table(out.member, usage):
+            rows = self.member_shapes[0][0]
+            whole_shape, whole = join_rows(self.member, [(m.logical_shape, m.buffers()) for m in members])
+            oq = out.member.set_usage(rowwise=usage == ROWWISE, columnwise=usage != ROWWISE)
+            got = self.member.derive(whole, whole_shape, oq, usage)
+            parts = [slice_buffers(oq, got, whole_shape, rows=(i * rows, (i + 1) * rows))[1]
+                     for i in range(self.num_tensors)]
+        else:
+            parts = [self.member.derive(m.buffers(), s, out.member, usage)
+                     for m, s in zip(members, self.member_shapes)]
+            if any(p is None for p in parts):  # a member's bytes break its format's exact rule: the group requantizes
+                return None
+        return {g: cat_rows([p[m].reshape(-1) for p in parts])
                 for g, m in out._lay().member_name.items() if m in parts[0]}
+
+    def derives_by_table(self, out, usage):
+        return (self.member is not None and isinstance(out, GroupedQuantizer) and out.member is not None
+                and self.member.derives_by_table(out.member, usage))
 
     def refused_value(self, buffers):
         if self.member is None:

@@ -43,7 +43,7 @@ import torch
 
 from .. import numerics as nx
 from ..errors import QuantizationError, ShapeError
-from ..kernel_ops import transpose_bytes
+from ..kernel_ops import map_byte_pairs, transpose_bytes
 from ..tracing import tracing
 from .base import Quantizer
 from .engine import BlockAmax, blocks_amax
@@ -59,6 +59,8 @@ E4M3 = torch.float8_e4m3fn
 #: the E4M3 byte of each E2M1 code (shared/docs/mxfp4.md §6): ``s<<7 | (e+6)<<3 | m<<2``, 0.5 → 0x30,
 #: ±0 → 0x00 / 0x80; the same value, so a block keeps its E8M0 byte
 E2M1_TO_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C, 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC)
+#: a packed byte's two codes (low nibble first) as their two E4M3 bytes
+E2M1_PAIRS_TO_E4M3 = tuple((E2M1_TO_E4M3[b & 0xF], E2M1_TO_E4M3[b >> 4]) for b in range(256))
 #: NVFP4 keeping the codes: the largest spread of block exponents (E4M3 scales 2^−9 … 2^8), and the
 #: largest E8M0 byte. shared/docs/mxfp4.md §6 says 251 (amax = 2688 · 2^g finite), but TE's dequantize
 #: forms (scale · amax) first, 2688 · 2^e_b, which overflows fp32 past e_b = 116: byte 243
@@ -163,12 +165,19 @@ class MXFP4Quantizer(Quantizer):
         if isinstance(out, NVFP4Quantizer):
             return self._into_nvfp4(buffers, shape, out)
         if self.has_usage(usage):  # MXFP8 blocks of the same 32 elements: each code's E4M3 byte, the same scale
-            src = self.usage_layout(usage)
-            lut = torch.tensor(E2M1_TO_E4M3, dtype=torch.uint8, device=buffers[src.data].device)
-            lay = out.usage_layout(usage)
-            return {lay.data: out.data_buffer(lut[self.codes(buffers, shape, usage).long()], shape, usage),
+            src, lay = self.usage_layout(usage), out.usage_layout(usage)
+            m, k = flatten_2d(tuple(shape))
+            rows, cols = (k, m) if src.transposed else (m, k)
+            data = buffers[src.data].reshape(rows, cols // 2)   # each byte two codes, as stored
+            e4m3 = map_byte_pairs(data, torch.tensor(E2M1_PAIRS_TO_E4M3, dtype=torch.uint8, device=data.device))
+            return {lay.data: out.data_buffer(e4m3.t() if src.transposed else e4m3, shape, usage),
                     lay.scale: out.scale_buffer(self.block_scales(buffers, shape, usage), shape, usage)}
         return self._reblocked_mxfp8(buffers, shape, out, usage)
+
+    def derives_by_table(self, out, usage):
+        # MXFP8 E4M3 from the same usage: each code's E4M3 byte of the same value (E2M1_TO_E4M3) under the
+        # same E8M0 byte, so every element keeps its value whatever the bytes
+        return self.has_usage(usage) and isinstance(out, MXFP8Quantizer) and self._keeps_codes(out)
 
     def _element_exponents(self, buffers: Mapping[str, torch.Tensor], shape, usage: str
                            ) -> tuple[torch.Tensor, torch.Tensor]:

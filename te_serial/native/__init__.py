@@ -84,7 +84,7 @@ _OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp
 
 _I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 #: the interface version kernels.c declares (te_serial_abi_version) and the table below describes
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 #: every C function's signature, in one table: name → (argument types, return type)
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "te_serial_abi_version": ([], _I32),
@@ -100,6 +100,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "te_serial_dequant_fp8": ([_PTR, _PTR, _PTR, _I32] + [_I64] * 7 + [_I32, _I32], None),
     "te_serial_scale_cast_fp8_pair": ([_PTR] * 5 + [_I32, _I32, _I64, _I64, _I64, _I32], _I32),
     "te_serial_byte_histogram": ([_PTR, _I64, _PTR], None),
+    "te_serial_map_bytes_u16": ([_PTR, _PTR, _I64, _PTR, _I32], None),
 }
 
 _lock = threading.Lock()
@@ -244,6 +245,21 @@ def transpose_bytes(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
         lib.te_serial_transpose_u8(x.data_ptr(), y.data_ptr(), rows, cols, x.stride(0), rows,
                                    _threads(rows, x.numel(), _STRIPE))
     return y
+
+
+@_kernel
+def map_bytes_u16(lib: ctypes.CDLL, x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """``lut[x]`` (int16, x's shape) for a contiguous uint8 ``x`` and a 256-entry int16 ``lut`` (each
+    entry a pair of bytes, as :func:`te_serial.kernel_ops.map_byte_pairs` builds it), viewed as its
+    bytes, or None where declined."""
+    if x.dtype != torch.uint8 or not x.is_contiguous() or lut.dtype != torch.int16 or lut.numel() != 256:
+        return None
+    lut = lut.contiguous()
+    y = _output(lib, tuple(x.shape), torch.int16)
+    if x.numel():
+        lib.te_serial_map_bytes_u16(x.data_ptr(), y.data_ptr(), x.numel(), lut.data_ptr(),
+                                    _threads(x.numel() // 4096, x.numel(), 1))
+    return y.view(torch.uint8)
 
 
 @_kernel

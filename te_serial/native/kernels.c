@@ -24,7 +24,7 @@
 
 /* The version of this library's interface: native/__init__.py's signature table (_SIGNATURES)
    describes version _ABI_VERSION and refuses a library of another one. Bump both together. */
-int te_serial_abi_version(void) { return 2; }
+int te_serial_abi_version(void) { return 3; }
 
 /* Transparent huge pages asked for over the whole 2 MB pages of [p, p + n): an output about to be
  * written in full then faults in once per 2 MB rather than once per 4 KB page (about 1 us each on a
@@ -54,6 +54,13 @@ void te_serial_byte_histogram(const uint8_t *x, int64_t n, int64_t *counts) {
     }
     for (; i < n; i++) h[0][x[i]]++;
     for (int b = 0; b < 256; b++) counts[b] = h[0][b] + h[1][b] + h[2][b] + h[3][b];
+}
+
+/* dst[i] = lut[src[i]] for n bytes: a byte's two halves each mapped at once (packed FP4 codes to the
+ * two E4M3 bytes that hold the same values, little-endian: the low nibble's first). */
+void te_serial_map_bytes_u16(const uint8_t *src, uint16_t *dst, int64_t n, const uint16_t *lut, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) dst[i] = lut[src[i]];
 }
 
 /* rows per thread: `rows` split `threads` ways, rounded up to whole units of `unit` rows */

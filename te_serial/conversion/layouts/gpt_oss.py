@@ -108,5 +108,5 @@ class GptOss(ExternalLayout):
         blocks, scales = src.read(st.keys["weight"]), src.read(st.keys["scale"])
         members = [assemble(member, (n, k), st.dtype, blocks[i].reshape(n, k // 2), scales[i]).buffers()
                    for i in range(g.num_tensors)]
-        return GroupedTensor(g.group_shape, st.dtype, g, **g.merge_buffers(members))
+        return GroupedTensor(g.group_shape, st.dtype, g, **g.merge_buffers(members, views=True))  # the file's pages
 
