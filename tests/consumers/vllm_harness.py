@@ -1,7 +1,7 @@
 """Load a te-serial serving export with vLLM's real model code on CPU and return what vLLM holds.
 
 ``load_with_vllm(export_dir)`` builds vLLM's ``ModelConfig``/``VllmConfig`` from the export
-(vLLM detects ``quant_method`` — ``modelopt`` / ``compressed-tensors`` — from ``config.json`` /
+(vLLM detects ``quant_method`` — ``modelopt`` / ``compressed-tensors`` / ``mxfp4`` — from ``config.json`` /
 ``hf_quant_config.json`` itself), constructs vLLM's ``LlamaForCausalLM`` through
 ``vllm.model_executor.model_loader.utils.initialize_model``, streams every tensor of the export's
 ``*.safetensors`` (vLLM's ``safetensors_weights_iterator``) through ``model.load_weights``, runs
@@ -9,6 +9,11 @@
 ``quant_method.process_weights_after_loading``: ModelOpt's global-scale max, compressed-tensors'
 ``requantize_with_max_scale``, the kernels' own post-load steps), and returns, per module holding
 quantized weights, clones of its parameters and buffers.
+
+``load_experts_with_vllm`` / ``load_modules_with_vllm`` do the same for any architecture vLLM
+resolves from ``config.json`` (its MoE models: the experts modules / every module), with
+``moe_backend`` (vLLM's ``--moe-backend``) and ``post_load=False`` (stop after the weight loaders,
+where a post-load step cannot run on CPU).
 
 ``vllm_values(held, module, scheme)`` turns what vLLM holds for one module into the fp32
 ``[N_total, K]`` weight it implies, with vLLM's semantics (see the function).
