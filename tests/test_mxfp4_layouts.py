@@ -161,6 +161,32 @@ def test_gpt_oss_layout_quantizes_experts_only_and_refuses_other_3d_layouts(gpt_
         tc.convert(tmp_path / "te", tmp_path / "r", rules={"*q_proj.weight": "gpt_oss_mxfp4"})
 
 
+def test_gpt_oss_export_of_a_model_quantized_whole_writes_the_rest_as_its_values_in_bf16(tmp_path):
+    """A gpt-oss quantized whole (attention too, ``quantize_model(model, "mxfp4")``): the gpt-oss layout holds
+    only the experts in MXFP4, so the quantized attention weights are written dequantized to BF16 (MXFP4
+    values are exact there) under their own names, not kept as MXFP4 under names the layout cannot write."""
+    from test_moe import build
+    model = ts.quantize_model(build("gpt_oss"), "mxfp4", columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    rep = tc.convert(tmp_path / "te", tmp_path / "out", recipe="gpt_oss_mxfp4")
+    raw = {}
+    for p in (tmp_path / "out").glob("*.safetensors"):
+        raw.update(load_file(str(p)))
+    ours = dict(model.named_parameters())
+    attn = [n for n in ours if ".self_attn." in n and n.endswith(".weight")]
+    assert attn and all(isinstance(ours[n], MXFP4Quantizer.tensor_class) for n in attn)
+    for n in attn:
+        assert raw[n].dtype == torch.bfloat16 and torch.equal(raw[n], ours[n].dequantize(torch.bfloat16)), n
+        assert rep[n].target == "bf16" and "experts only" in rep[n].note and rep[n].label == "lossless", rep[n]
+    for n in [n for n in ours if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, out = ours[n].shape
+        for i, m in enumerate(ours[n].members()):
+            codes, sb = _rowwise(m)
+            assert _bits(codes, raw[n + "_blocks"][i].reshape(out, k // 2)) and _bits(sb, raw[n + "_scales"][i]), (n, i)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "mxfp4" and set(attn) <= {m + ".weight" for m in cfg["modules_to_not_convert"]}
+
+
 def test_layouts_refuse_what_they_do_not_hold(tmp_path):
     root, written = D.gpt_oss_checkpoint(tmp_path / "g")
     from safetensors.torch import save_file

@@ -174,9 +174,11 @@ def _plan_step(st: SourceTensor, value: str, explicit: bool, family: str, dtype:
     name, shape = st.name, st.shape
 
     def keep_external(p) -> tuple[Step, str | None]:
-        # kept in the layout where one of its schemes holds the source's bytes exactly, else plain
+        # kept in the layout where one of its schemes holds the source's bytes exactly, else plain; an
+        # experts-only layout (gpt-oss) holds nothing quantized but the 3-D experts it plans itself
         step = None
-        for scheme in schemes or (None,):
+        experts_only = family in LAYOUTS and LAYOUTS[family].experts_only
+        for scheme in (() if experts_only else schemes) or (None,):
             rep = LAYOUTS[family].representation(scheme) if scheme else None
             if rep is not None and p is not None:
                 rep = p.serving_form(rep)

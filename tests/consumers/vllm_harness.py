@@ -1,7 +1,7 @@
 """Load a te-serial serving export with vLLM's real model code on CPU and return what vLLM holds.
 
 ``load_with_vllm(export_dir)`` builds vLLM's ``ModelConfig``/``VllmConfig`` from the export
-(vLLM detects ``quant_method`` — ``modelopt`` / ``compressed-tensors`` — from ``config.json`` /
+(vLLM detects ``quant_method`` — ``modelopt`` / ``compressed-tensors`` / ``mxfp4`` — from ``config.json`` /
 ``hf_quant_config.json`` itself), constructs vLLM's ``LlamaForCausalLM`` through
 ``vllm.model_executor.model_loader.utils.initialize_model``, streams every tensor of the export's
 ``*.safetensors`` (vLLM's ``safetensors_weights_iterator``) through ``model.load_weights``, runs
@@ -9,6 +9,11 @@
 ``quant_method.process_weights_after_loading``: ModelOpt's global-scale max, compressed-tensors'
 ``requantize_with_max_scale``, the kernels' own post-load steps), and returns, per module holding
 quantized weights, clones of its parameters and buffers.
+
+``load_experts_with_vllm`` / ``load_modules_with_vllm`` do the same for any architecture vLLM
+resolves from ``config.json`` (its MoE models: the experts modules / every module), with
+``moe_backend`` (vLLM's ``--moe-backend``) and ``post_load=False`` (stop after the weight loaders,
+where a post-load step cannot run on CPU).
 
 ``vllm_values(held, module, scheme)`` turns what vLLM holds for one module into the fp32
 ``[N_total, K]`` weight it implies, with vLLM's semantics (see the function).
@@ -52,6 +57,25 @@ Stubs (everything else is vLLM's own code):
    supported device, nothing else changed. Its post-load step keeps the packed E2M1 weights and the
    E4M3 block scales as loaded, and one ``w13_weight_scale_2`` per expert (gate and up share it).
 
+8. Kernel choice, MXFP4 linear (compressed-tensors ``mxfp4-pack-quantized``,
+   ``CompressedTensorsW4A4Mxfp4``): vLLM registers no MXFP4 linear kernel for ``PlatformEnum.CPU``;
+   the harness adds ``_CpuEmulationMxfp4`` — vLLM's own ``EmulationMxfp4LinearKernel`` (dequantize,
+   then ``F.linear``; the one CUDA and ROCm fall back to) with ``can_implement`` answering from the
+   kernel's own ``_supports_quant_scheme`` instead of also asking for the ``amd-quark`` package —
+   to ``_POSSIBLE_MXFP4_KERNELS[CPU]``. amd-quark is not installed: vLLM needs it only to dequantize
+   in the forward pass (``dequant_mxfp4`` imports it there), which these tests do not run; its
+   post-load step (``VLLM_MXFP4_EMULATION_DEQUANT_AT_LOAD`` off, vLLM's default) keeps the packed
+   E2M1 ``weight`` [N, K/2] and the E8M0 ``weight_scale`` [N, K/32] as loaded.
+9. MoE kernel choice, MXFP4 (gpt-oss's ``GptOssMxfp4MoEMethod``): the experts are loaded with
+   ``moe_backend="emulation"`` (vLLM's own ``--moe-backend`` option, passed through ``KernelConfig``;
+   with "auto", vLLM's CPU backend ``CPUExpertsMxfp4`` is chosen where the CPU has AMX, and its
+   post-load step needs ``_C.convert_weight_packed``). That backend's experts,
+   ``OCP_MXQuantizationEmulationTritonExperts``, report the CPU as a supported device and are
+   supported without amd-quark (the same reason as stub 8: only its ``apply`` dequantizes);
+   nothing else changed. Its post-load step (``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``,
+   EMULATION) keeps ``w13_weight`` / ``w2_weight`` (packed E2M1), their E8M0 scales and the BF16
+   biases as loaded.
+
 Distributed: a single-process gloo group (world size 1, TP=1, PP=1) is created for each load and
 torn down after it, so nothing stays initialized for other tests in the same process.
 """
@@ -67,7 +91,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 
-__all__ = ["load_with_vllm", "load_experts_with_vllm", "vllm_values", "SCHEME_OF_LAYOUT", "E2M1"]
+__all__ = ["load_with_vllm", "load_experts_with_vllm", "load_modules_with_vllm", "vllm_values", "SCHEME_OF_LAYOUT",
+           "E2M1"]
 
 #: te-serial serving layout -> the weight scheme vllm_values applies
 SCHEME_OF_LAYOUT = {
@@ -76,6 +101,7 @@ SCHEME_OF_LAYOUT = {
     "compressed_tensors_fp8": "fp8_channel",
     "modelopt_mxfp8": "mxfp8", "compressed_tensors_mxfp8": "mxfp8",
     "modelopt_fp8_pb_wo": "fp8_block", "compressed_tensors_fp8_block": "fp8_block",
+    "compressed_tensors_mxfp4": "mxfp4",
 }
 
 #: E2M1 magnitudes by code & 7; code bit 3 is the sign
@@ -132,6 +158,27 @@ def _patch_vllm() -> None:
     from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
         Nvfp4QuantizationEmulationTritonExperts)
     Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
+
+    # stub 8: vLLM's MXFP4 emulation linear kernel on CPU, without amd-quark (needed only in apply)
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+
+    class _CpuEmulationMxfp4(kl.EmulationMxfp4LinearKernel):
+        """vLLM's MXFP4 emulation kernel, allowed without amd-quark (post-load step unchanged)."""
+
+        @classmethod
+        def can_implement(cls, config):
+            if cls._supports_quant_scheme(kMxfp4Static, config.activation_quant_key):
+                return True, None
+            return False, f"activation {config.activation_quant_key} not emulated"
+
+    kl._POSSIBLE_MXFP4_KERNELS.setdefault(PlatformEnum.CPU, [_CpuEmulationMxfp4])
+    # stub 9: vLLM's OCP MX emulation MoE experts on the CPU platform, without amd-quark
+    from vllm.model_executor.layers.fused_moe.experts.ocp_mx_emulation_moe import (
+        OCP_MXQuantizationEmulationTritonExperts)
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    OCP_MXQuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
+    OCP_MXQuantizationEmulationTritonExperts.is_supported_config = staticmethod(
+        lambda cls, *args, **kwargs: TritonExperts.is_supported_config(cls, *args, **kwargs))
     _PATCHED = True
 
 
@@ -141,10 +188,12 @@ def _quantized_linear(module) -> bool:
     return isinstance(module, LinearBase) and qm is not None and not type(qm).__name__.startswith("Unquantized")
 
 
-def _loaded_model(export_dir):
+def _loaded_model(export_dir, *, moe_backend: str = "auto", post_load: bool = True):
     """vLLM's model for ``export_dir`` (config.json + *.safetensors), its weights streamed through
-    ``load_weights`` and post-load processing done, on CPU."""
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    ``load_weights`` and (``post_load``) post-load processing done, on CPU. ``moe_backend``: vLLM's
+    ``--moe-backend`` option."""
+    from vllm.config import (DeviceConfig, KernelConfig, LoadConfig, ModelConfig, VllmConfig,
+                             set_current_vllm_config)
     from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                  init_distributed_environment, initialize_model_parallel)
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
@@ -158,7 +207,8 @@ def _loaded_model(export_dir):
         raise FileNotFoundError(f"no *.safetensors in {export_dir}")
     model_config = ModelConfig(model=export_dir, tokenizer=export_dir, skip_tokenizer_init=True,
                                dtype="bfloat16", enforce_eager=True)
-    vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
+    vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"),
+                             kernel_config=KernelConfig(moe_backend=moe_backend))
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(vllm_config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -168,7 +218,8 @@ def _loaded_model(export_dir):
             with set_default_torch_dtype(model_config.dtype), device:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config)
             model.load_weights(safetensors_weights_iterator(files, False))
-            process_weights_after_loading(model, model_config, device)
+            if post_load:
+                process_weights_after_loading(model, model_config, device)
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
@@ -195,18 +246,38 @@ def load_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
     return held
 
 
-def load_experts_with_vllm(export_dir) -> dict[str, dict[str, torch.Tensor]]:
+def load_modules_with_vllm(export_dir, *, moe_backend: str = "auto",
+                           post_load: bool = True) -> dict[str, dict]:
+    """Load ``export_dir`` with vLLM on CPU; return ``{module name: {tensor name: clone}}`` for every
+    module holding parameters or buffers of its own, after post-load processing (``post_load=False``:
+    as the weight loaders left them, no module post-processed). A module with a quant method also
+    has ``"quant_method"`` (its class name, a str) and ``"experts"`` (the class name of the MoE
+    experts kernel its post-load step built, "" where none was). ``moe_backend``: vLLM's
+    ``--moe-backend`` option."""
+    held: dict[str, dict] = {}
+    for name, module in _loaded_model(export_dir, moe_backend=moe_backend, post_load=post_load).named_modules():
+        h = _held(module)
+        if not h:
+            continue
+        qm = getattr(module, "quant_method", None)
+        if qm is not None:
+            h["quant_method"] = type(qm).__name__
+            kernel = getattr(qm, "moe_kernel", None)   # built at post-load
+            h["experts"] = type(kernel.fused_experts).__name__ if kernel is not None else ""
+        held[name] = h
+    return held
+
+
+def load_experts_with_vllm(export_dir, *, moe_backend: str = "auto",
+                           post_load: bool = True) -> dict[str, dict]:
     """Load a MoE serving export with vLLM on CPU (its FusedMoE loaders stack the per-expert
     checkpoint tensors into ``w13_weight`` [E, 2I, H] = gate rows then up rows, and ``w2_weight``
-    [E, H, I], with their scales); return ``{module name: {tensor name: clone}}`` for every experts
-    module (one holding ``w13_weight``) after post-load processing, with ``"quant_method"`` (its
-    quant method's class name, as a 0-d tensor can't: a str)."""
-    held: dict[str, dict] = {}
-    for name, module in _loaded_model(export_dir).named_modules():
-        if "w13_weight" in module._parameters:
-            held[name] = _held(module)
-            held[name]["quant_method"] = type(module.quant_method).__name__
-    return held
+    [E, H, I], with their scales; gpt-oss's loader takes its 3-D tensors as they are); return
+    :func:`load_modules_with_vllm`'s entries of the experts modules (those holding ``w13_weight``,
+    or compressed-tensors' ``w13_weight_packed`` before its post-load step renames it)."""
+    return {name: h for name, h in load_modules_with_vllm(export_dir, moe_backend=moe_backend,
+                                                          post_load=post_load).items()
+            if "w13_weight" in h or "w13_weight_packed" in h}
 
 
 def _e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -219,7 +290,7 @@ def _e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def vllm_values(held: dict[str, dict[str, torch.Tensor]], module: str, scheme: str) -> torch.Tensor:
     """fp32 [N_total, K] weight implied by what vLLM holds for ``module`` (``scheme``: one of
-    nvfp4, fp8_tensor, fp8_channel, mxfp8, fp8_block, or a layout name of SCHEME_OF_LAYOUT).
+    nvfp4, fp8_tensor, fp8_channel, mxfp8, fp8_block, mxfp4, or a layout name of SCHEME_OF_LAYOUT).
 
     - nvfp4 (ModelOpt and compressed-tensors alike after post-load): ``weight`` [N, K/2] E2M1 codes,
       ``weight_scale`` [N, K/16] E4M3 (unswizzled: the emulation kernel keeps the linear layout),
@@ -235,6 +306,8 @@ def vllm_values(held: dict[str, dict[str, torch.Tensor]], module: str, scheme: s
       ``weight_scale`` [N, K/32] E8M0 bytes: float(weight) * 2^(e8m0 - 127).
     - fp8_block: ``weight`` [N, K] E4M3, ``weight_scale`` (or ``weight_scale_inv``) [ceil(N/128),
       K/128] fp32: float(weight) * scale of its 128x128 block.
+    - mxfp4: ``weight`` [N, K/2] E2M1 codes (the emulation kernel keeps them packed), ``weight_scale``
+      [N, K/32] E8M0 bytes: e2m1 * 2^(e8m0 - 127), computed in float64 (exact) and rounded once to fp32.
     """
     scheme = SCHEME_OF_LAYOUT.get(scheme, scheme)
     h = held[module]
@@ -257,6 +330,11 @@ def vllm_values(held: dict[str, dict[str, torch.Tensor]], module: str, scheme: s
         n, k = w.shape
         scale = torch.exp2((e[:, : k // 32] - 127).to(torch.float32))
         return (w.to(torch.float32).reshape(n, k // 32, 32) * scale.unsqueeze(-1)).reshape(n, k)
+    if scheme == "mxfp4":
+        codes = _e2m1_unpack(w).double()
+        n, k = codes.shape
+        e = h["weight_scale"].view(torch.uint8)[:n, : k // 32].double()
+        return (codes.reshape(n, k // 32, 32) * torch.exp2(e - 127).unsqueeze(-1)).reshape(n, k).float()
     if scheme == "fp8_block":
         s = h["weight_scale_inv"] if "weight_scale_inv" in h else h["weight_scale"]
         s = s.to(torch.float32)
