@@ -156,3 +156,41 @@ def test_a_mxfp4_tensor_without_a_te_class_cannot_go_to_te(tmp_path):
     t = ts.MXFP4Quantizer()(torch.randn(32, 64))
     with pytest.raises(tse.FormatError, match="mxfp4"):
         ts.to_te(t)
+
+
+def test_the_mxfp8_table_holds_every_code_and_is_the_only_path_not_compared_by_values():
+    """MXFP4 → MXFP8 of the same usage maps each code to an E4M3 byte of the same value (checked here on
+    all 16 codes against the oracle's E2M1 table), under the same E8M0 byte: exact for any bytes, so it
+    is the one path ``derives_by_table`` names; the columnwise reblocking and NVFP4 depend on the bytes."""
+    from te_serial.formats.grouped import per_expert
+    from te_serial.formats.mxfp4 import E2M1_TO_E4M3
+    e4m3 = torch.tensor(E2M1_TO_E4M3, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(e4m3.view(torch.int32), mx_ref._LUT.float().view(torch.int32))   # ±0 kept apart too
+    q, row_col = ts.MXFP4Quantizer(), ts.MXFP4Quantizer(columnwise=True)
+    assert q.derives_by_table(ts.MXFP8Quantizer(), "rowwise")
+    assert not q.derives_by_table(ts.MXFP8Quantizer(columnwise=True), "columnwise")   # reblocked from rowwise
+    assert row_col.derives_by_table(ts.MXFP8Quantizer(columnwise=True), "columnwise")
+    assert not q.derives_by_table(ts.MXFP8Quantizer(torch.float8_e5m2), "rowwise")
+    assert not q.derives_by_table(ts.NVFP4Quantizer(), "rowwise")
+    g4, g8 = per_expert(q, (4, 64, 96), transposed=True), per_expert(ts.MXFP8Quantizer(), (4, 64, 96), transposed=True)
+    assert g4.derives_by_table(g8, "rowwise") and not g4.derives_by_table(ts.MXFP8Quantizer(), "rowwise")
+
+
+@pytest.mark.parametrize("usages", [(True, False), (True, True)])
+def test_a_stack_derived_in_one_call_equals_each_member_derived_alone(usages):
+    """A grouped MXFP4 stack goes to MXFP8 in one derive over its members' rows joined; the bytes equal
+    the members derived one by one (scales compact and zero-padded per member, as each has them)."""
+    from te_serial.formats.grouped import per_expert
+    row, col = usages
+    q4 = ts.MXFP4Quantizer(rowwise=row, columnwise=col)
+    g4 = per_expert(q4, (3, 96, 160))
+    x = torch.randn(3, 96, 160) * torch.tensor([1e-3, 1.0, 1e3]).reshape(3, 1, 1)
+    t = g4.quantize(x)
+    q8 = ts.MXFP8Quantizer(rowwise=row, columnwise=col)
+    g8 = per_expert(q8, (3, 96, 160))
+    for usage in [u for u, on in (("rowwise", row), ("columnwise", col)) if on]:
+        got = g4.derive(t.buffers(), t.shape, g8, usage)
+        alone = [q4.derive(m.buffers(), tuple(m.shape), q8, usage) for m in t.members()]
+        for gname, mname in g8._lay().member_name.items():
+            if mname in alone[0]:
+                assert torch.equal(got[gname], torch.cat([a[mname].reshape(-1) for a in alone])), (usage, gname)

@@ -796,3 +796,22 @@ def test_byte_histogram_is_bincount(case, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda build=False: None)
     assert native.byte_histogram(x.reshape(-1).view(torch.uint8)) is None
     assert torch.equal(kernel_ops.byte_histogram(x), want)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7, 3), (300, 1001), (4096, 96)])
+def test_byte_pairs_map_each_byte_through_the_table(shape, monkeypatch):
+    monkeypatch.setattr(native, "_SPLIT_BYTES", 1 << 12)   # the larger shapes split between threads
+    x, table = _random_bytes(shape, seed=5), _random_bytes((256, 2), seed=6)
+    want = table[x.reshape(-1).long()].reshape(*shape[:-1], 2 * shape[-1])
+    got = kernel_ops.map_byte_pairs(x, table)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+    if native.available():   # the C pass ran (not torch's gather)
+        assert native.map_bytes_u16(x.contiguous(), table.view(torch.int16).reshape(256)) is not None
+
+
+def test_byte_pairs_switched_off_are_torchs_gather(fresh_native, monkeypatch):
+    x, table = _random_bytes((33, 70), seed=7), _random_bytes((256, 2), seed=8)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert fresh_native.map_bytes_u16(x, table.view(torch.int16).reshape(256)) is None
+    assert torch.equal(kernel_ops.map_byte_pairs(x, table), table[x.long()].reshape(33, 140))
+    assert fresh_native.map_bytes_u16(x.float(), table.view(torch.int16).reshape(256)) is None  # not bytes: declined
