@@ -370,7 +370,7 @@ def test_from_pretrained_of_a_converted_per_expert_checkpoint_equals_load_into(a
     """``te-serial convert`` of a BF16 MoE directory writes quantized per-expert tensors; from_pretrained
     packs them into the 3-D experts exactly (te-serial reads them itself: transformers' merge would
     concatenate quantized bytes), with load_into's bytes, and transformers reads no expert's data."""
-    hf = pytest.importorskip("te_serial.hf")
+    pytest.importorskip("te_serial.hf")  # registers the te_serial method
     build(arch).save_pretrained(tmp_path / "bf16")
     ts.convert(tmp_path / "bf16", tmp_path / "out", recipe=recipe)
     seen = _spy_materialized(monkeypatch)
