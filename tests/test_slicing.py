@@ -16,7 +16,6 @@ import torch
 
 import te_serial as ts
 from te_serial import errors as tse
-from te_serial import formats as tsf
 from helpers import E4M3, E5M2, INPUT_KINDS, USAGES, assert_same_buffers, make_input, same_bits, same_values
 
 
