@@ -54,21 +54,27 @@ def test_vllm_holds_te_serial_expert_values(arch, layout, tmp_path):
             assert torch.equal(have.view(torch.int16), want.view(torch.int16)), (layer, vllm_name)
 
 
+def _static_export_in_vllm(arch: str, recipe: str, layout: str, tmp_path):
+    """(te-serial's model, what vLLM holds of its experts) for a static export: ``arch`` quantized to
+    ``recipe``, its expert inputs calibrated with ActivationAmax, converted to ``layout``."""
+    from te_serial.conversion import ActivationAmax
+    from test_moe import build
+    from vllm_harness import load_experts_with_vllm
+    model = ts.quantize_model(build(arch), recipe, columnwise=False)
+    with ActivationAmax(model) as cal, torch.no_grad():
+        model(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(5)))
+    ts.save_quantized(model, tmp_path / "te")
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=cal.amax)
+    return model, load_experts_with_vllm(tmp_path / "out")
+
+
 @pytest.mark.parametrize("layout", ["modelopt_nvfp4", "compressed_tensors_nvfp4"])
 def test_vllm_holds_te_serial_nvfp4_expert_codes_scales_and_one_global_scale_per_expert(layout, tmp_path):
     """A static (W4A4) NVFP4 MoE export, calibrated with ActivationAmax: vLLM's FusedMoE loaders hold
     each expert's E2M1 codes and E4M3 block scales byte for byte (gate rows, then up rows: the
     te-serial expert's own order), and one global scale per expert (gate and up share it) equal to
     te-serial's amax / (6 × 448), within vLLM's own fp32 rounding of the layout's convention (1 ulp)."""
-    from te_serial.conversion import ActivationAmax
-    from test_moe import build
-    from vllm_harness import load_experts_with_vllm
-    model = ts.quantize_model(build("qwen3_moe"), "nvfp4", columnwise=False)
-    with ActivationAmax(model) as cal, torch.no_grad():
-        model(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(5)))
-    ts.save_quantized(model, tmp_path / "te")
-    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=cal.amax)
-    held = load_experts_with_vllm(tmp_path / "out")
+    model, held = _static_export_in_vllm("qwen3_moe", "nvfp4", layout, tmp_path)
     ours = dict(model.named_parameters())
     assert len(held) == 2
     for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
@@ -103,23 +109,15 @@ def test_vllm_holds_te_serial_per_tensor_fp8_expert_codes_and_one_scale_per_expe
     import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe. \
         compressed_tensors_moe_w8a8_fp8 as ct_fp8
     import vllm.model_executor.layers.quantization.modelopt as modelopt
-    from te_serial.conversion import ActivationAmax
-    from test_moe import build
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, select_fp8_moe_backend
-    from vllm_harness import load_experts_with_vllm
 
     def select(*args, **kwargs):
         backend, experts = select_fp8_moe_backend(*args, **kwargs)
         return (Fp8MoeBackend.TRITON, TritonExperts) if backend == Fp8MoeBackend.NONE else (backend, experts)
     for module in (modelopt, ct_fp8):
         monkeypatch.setattr(module, "select_fp8_moe_backend", select)
-    model = ts.quantize_model(build(arch), "fp8_current", columnwise=False)
-    with ActivationAmax(model) as cal, torch.no_grad():
-        model(torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(5)))
-    ts.save_quantized(model, tmp_path / "te")
-    ts.convert(tmp_path / "te", tmp_path / "out", recipe=layout, activation_amax=cal.amax)
-    held = load_experts_with_vllm(tmp_path / "out")
+    model, held = _static_export_in_vllm(arch, "fp8_current", layout, tmp_path)
     ours = dict(model.named_parameters())
     layers = sorted({n.rsplit(".experts.", 1)[0] for n in ours if ".experts." in n})
     assert len(held) == len(layers) == 2
