@@ -116,8 +116,8 @@ from .conversion.sources import TeSerialSource
 from .checkpoint.writer import HF_INDEX_NAME, HF_INSTALL_HINT, QUANT_METHOD, quantization_config
 from .errors import CheckpointError, ConversionError, FormatError, UnsupportedOperationError
 from .formats.tensors import QuantizedTensorStorage
-from .model import (_guard_save_pretrained, _hf_config, _shared_amax, _with_nominal, as_model_names, choose_weights,
-                    chosen_linears, plan_load, read_for_model, tensor_slots)
+from .model import (as_model_names, choose_weights, chosen_linears, guard_save_pretrained, model_config_dict,
+                    plan_load, read_for_model, shared_amax, tensor_slots, with_nominal)
 from .proto import TensorProto, to_tensor_proto
 from .recipes import RECIPES, recipe_quantizer
 
@@ -448,7 +448,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         q = self._q
         self._to_quantize = {n: (c.module_name, c.quantizer) for n, c in chosen.items()}
         if q.takes_tensor_amax():
-            groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), cfg.fused)
+            groups = fusion.groups_for(fusion.architecture_of(model_config_dict(model)), cfg.fused)
             for members in fusion.fused_groups(chosen_linears(chosen), groups, suffix=""):
                 self._group_of.update({m: members for m in members})
         self._files = files
@@ -476,7 +476,7 @@ class TeSerialHfQuantizer(HfQuantizer):
             elif st.quantizer is not None:
                 targets[name] = slots[name]
         steps, _, _ = plan_load(view, targets, root, derive_usages=True, strict=False, fused=cfg.fused,
-                                config=_hf_config(model), reads=True)
+                                config=model_config_dict(model), reads=True)
         self._source, self._steps, self._chosen = view, steps, set(chosen) & set(targets)
         self._file_keys = {n: view.file_keys(n) for n in targets}
         self._file_keys[HELD_KEY] = list(view.dropped)  # activation scales the importer keeps aside
@@ -545,7 +545,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         nominal dtype; ``requires_grad`` the model's for what the recipe quantized, else the saved one."""
         t, _ = read_for_model(self._source, name, self._steps.get(name), device, self._source.path)
         param = model.get_parameter(name)
-        t = _with_nominal(t, param.dtype)
+        t = with_nominal(t, param.dtype)
         quantized = isinstance(t, QuantizedTensorStorage)
         grad = param.requires_grad if name in self._chosen or not quantized else \
             self._source.tensors[name].proto.requires_grad
@@ -554,7 +554,7 @@ class TeSerialHfQuantizer(HfQuantizer):
     def _read_quantized(self, name: str, device: torch.device, model: nn.Module) -> nn.Parameter:
         src = self._source_name(name, model)
         t = self._ckpt.get(src, device=device)
-        t = _with_nominal(t, model.get_parameter(name).dtype)  # as load_into: the model's dtype
+        t = with_nominal(t, model.get_parameter(name).dtype)  # as load_into: the model's dtype
         return nn.Parameter(t.detach(), requires_grad=self._ckpt.protos[src].requires_grad)
 
     def _quantize(self, name: str, value: torch.Tensor, model: nn.Module) -> nn.Parameter:
@@ -571,7 +571,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         if mname not in self._amax:
             weights = {m: value if m == mname else self._read_plain(f"{m}.weight", value.dtype, model, members)
                        for m in members}
-            shared = _shared_amax(model, self._q, weights, self.quantization_config.fused)
+            shared = shared_amax(model, self._q, weights, self.quantization_config.fused)
             self._amax.update({m: shared.get(m) for m in members})
             del weights
         return self._amax.pop(mname)
@@ -606,7 +606,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         protos = {n: to_tensor_proto(p) for n, p in model.named_parameters()
                   if isinstance(p, QuantizedTensorStorage)}
         if protos:
-            _guard_save_pretrained(model)  # save_pretrained writes a te-serial directory
+            guard_save_pretrained(model)  # save_pretrained writes a te-serial directory
         if self._file_keys or not self.pre_quantized:  # the config says what the model now holds
             held = quantization_config(protos) or {}
             self.quantization_config.modules = held.get("modules", {})

@@ -85,7 +85,7 @@ def _set(module: nn.Module, attr: str, is_param: bool, value: torch.Tensor, requ
     return value
 
 
-def _with_nominal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def with_nominal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A quantized tensor with nominal ``dtype`` over the same buffers (no copy)."""
     if isinstance(t, QuantizedTensorStorage) and t.dtype != dtype and dtype in NOMINAL_DTYPES:
         return t._rebuild(t.buffers(), fake_dtype=dtype)
@@ -98,7 +98,7 @@ def _is_hf(model: nn.Module) -> bool:
     return getattr(model, "config", None) is not None and callable(getattr(model, "save_pretrained", None))
 
 
-def _hf_config(model: nn.Module) -> dict | None:
+def model_config_dict(model: nn.Module) -> dict | None:
     """The Hugging Face model's config as a dict (for its ``architectures``), else None."""
     cfg = getattr(model, "config", None)
     to_dict = getattr(cfg, "to_dict", None)
@@ -164,7 +164,7 @@ def _te_serial_save_pretrained(self: nn.Module, save_directory: str | os.PathLik
 _HF_SAVE_OPTIONS = frozenset({"token"})
 
 
-def _guard_save_pretrained(model: nn.Module) -> None:
+def guard_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained`` write a te-serial checkpoint while the model holds te-serial
     tensors (transformers would fail on their storage with an unrelated message)."""
     if _is_hf(model) and "save_pretrained" not in model.__dict__:
@@ -456,7 +456,7 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
         source = as_model_names(opened, slots)
         missing, unexpected, sliced = _match(model, slots, source.tensors, path, shard_fn, strict)
         steps, first, notes = plan_load(source, slots, path, derive_usages=derive_usages, strict=strict, fused=fused,
-                                        config=_hf_config(model), reads=device.type != "meta")
+                                        config=model_config_dict(model), reads=device.type != "meta")
         rep = ConversionReport(str(path), "model", source.layout, "model", None)
         rep.notes.extend(notes)
         loaded, reports = _read_steps(source, slots, steps, sliced, device, verify, path)
@@ -470,7 +470,7 @@ def load_into(model: nn.Module, path: str | os.PathLike, *, device: str | torch.
         filled = _fill_meta(model, device, init_fn)
         rep.notes.extend(f"initialized (not in the checkpoint): {n}" for n in filled)
     if any(isinstance(t, QuantizedTensorStorage) for t in done.values()):
-        _guard_save_pretrained(model)
+        guard_save_pretrained(model)
     rep.seconds = time.perf_counter() - t0
     model.te_serial_report = rep
     if report is not None:
@@ -620,7 +620,7 @@ def _assign_loaded(slots: dict, loaded: dict[str, Any], found: dict, assign: boo
         if name not in names:
             continue
         module, attr, is_param, old = slots[name]
-        new = _with_nominal(loaded.pop(name), old.dtype)
+        new = with_nominal(loaded.pop(name), old.dtype)
         if not assign and old.device.type != "meta":
             with torch.no_grad():
                 old.copy_(new)
@@ -738,7 +738,7 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
     q = recipe if isinstance(recipe, Quantizer) else recipe_quantizer(recipe, rowwise=True, columnwise=col)
     _tie_hf(model)
     chosen = choose_weights(model, q, include=include, exclude=exclude, module_types=module_types)
-    shared = _shared_amax(model, q, chosen_linears(chosen), fused)
+    shared = shared_amax(model, q, chosen_linears(chosen), fused)
     done: dict[int, nn.Parameter] = {}
     for name, c in chosen.items():
         w = c.weight
@@ -751,15 +751,15 @@ def quantize_model(model: nn.Module, recipe: str | Quantizer, *, include: Sequen
             qt = c.quantizer.quantize(w.detach(), tensor_amax=shared.get(c.module_name) if c.attr == "weight" else None)
         done[id(w)] = c.module._parameters[c.attr] = nn.Parameter(qt, requires_grad=w.requires_grad)
     if done:
-        _guard_save_pretrained(model)
+        guard_save_pretrained(model)
     return model
 
 
-def _shared_amax(model: nn.Module, q: Quantizer, weights: dict[str, torch.Tensor],
+def shared_amax(model: nn.Module, q: Quantizer, weights: dict[str, torch.Tensor],
                  rule: str | Sequence[Sequence[str]] | None) -> dict[str, torch.Tensor]:
     """Module name → its fused group's amax (the members' largest), for a quantizer whose scale is
     tensor-wide; members the recipe cannot hold, and meta weights, take no part."""
-    groups = fusion.groups_for(fusion.architecture_of(_hf_config(model)), rule)
+    groups = fusion.groups_for(fusion.architecture_of(model_config_dict(model)), rule)
     if not groups or not q.takes_tensor_amax():
         return {}
     out: dict[str, torch.Tensor] = {}
@@ -787,7 +787,7 @@ def materialize(model: nn.Module, device: str | torch.device, *, init_fn: InitFn
     _tie_hf(model)
     _fill_meta(model, torch.device(device), init_fn)
     if any(isinstance(p, QuantizedTensorStorage) for p in model.parameters()):
-        _guard_save_pretrained(model)
+        guard_save_pretrained(model)
     return model
 
 

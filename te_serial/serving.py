@@ -19,7 +19,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from .conversion.core import _check_fused_scales, _export, _share_fused_scales, plan_conversion
+from .conversion.core import check_fused_scales, export_buffers, plan_conversion, share_fused_scales
 from .conversion.layouts.base import prefix
 from .conversion.sources import ModuleSource, open_source, split_experts
 from .conversion.transforms import execute, values
@@ -56,7 +56,7 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
         if spec is None:
             raise ConversionError(f"{layout!r} is not a serving layout; export_tensors writes the layouts engines "
                                   "load (modelopt_*, compressed_tensors_*, deepseek_fp8)", field="layout")
-        for note in _share_fused_scales(src, plans, fused, spec, measure=False):  # no report to give figures in
+        for note in share_fused_scales(src, plans, fused, spec, measure=False):  # no report to give figures in
             if "requantized" in note:
                 warnings.warn(f"te-serial: {note}", stacklevel=2)
         shared: dict[str, dict[str, torch.Tensor]] = {}
@@ -65,12 +65,12 @@ def export_tensors(model_or_ckpt: torch.nn.Module | Mapping[str, torch.Tensor] |
         for plan in plans:
             t = src.load(plan.name)
             out, _ = execute(plan.step, t, lambda t=t: values(t))
-            blobs = _export(family, plan.name, out, spec)
+            blobs = export_buffers(family, plan.name, out, spec)
             del t, out
             if plan.name in spec.schemes:  # never hand an engine a fused group with unequal scales
                 keys = spec.shared_scale_keys(plan.name, plan.step.out_q)
                 shared[plan.name] = {k: blobs[prefix(plan.name) + k] for k in keys if prefix(plan.name) + k in blobs}
-                for note in _check_fused_scales(spec, shared, only=plan.name):
+                for note in check_fused_scales(spec, shared, only=plan.name):
                     warnings.warn(f"te-serial: {note}", stacklevel=2)
             for name, tensor in blobs.items():
                 if bucket_bytes is None:

@@ -255,7 +255,10 @@ def _layout(family: str, name: str, shape: tuple[int, ...], step: Step,
     return keys
 
 
-def _export(family: str, name: str, out: torch.Tensor, spec: ExportSpec | None = None) -> dict[str, torch.Tensor]:
+def export_buffers(family: str, name: str, out: torch.Tensor,
+                   spec: ExportSpec | None = None) -> dict[str, torch.Tensor]:
+    """The safetensors keys and tensors ``out`` (tensor ``name``, converted) is written as: te-serial's
+    buffers under their stored dtypes, or the serving layout's keys (``spec``)."""
     if not isinstance(out, QuantizedTensorStorage):
         return {name: out}
     if family == "te":
@@ -424,7 +427,7 @@ class _Output:
         if self.writer is not None:
             self.writer.write(plan.name, out)
             return
-        blobs = _export(self.family, plan.name, out, plan.export)
+        blobs = export_buffers(self.family, plan.name, out, plan.export)
         if plan.export is not None and isinstance(out, QuantizedTensorStorage):
             # an exact path keeps the source's rowwise bytes: record the source's own quantizer
             self.sidecar[plan.name] = sidecar_entry(out, plan.src.quantizer if plan.step.exact else None)
@@ -664,12 +667,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
                                stats=stats, device=str(dev))
         if spec is not None:
             rep.notes.append(spec.note)
-        rep.notes.extend(_share_fused_scales(source, plans, fused, spec))
+        rep.notes.extend(share_fused_scales(source, plans, fused, spec))
         out = _Output(dst_path, family, plans, limit, source, _metadata(source, family, activation_amax))
         try:
             reports = _convert_all(source, plans, family, out, dev, stats, progress)
             if spec is not None:
-                rep.notes.extend(_check_fused_scales(spec, out.shared))
+                rep.notes.extend(check_fused_scales(spec, out.shared))
             reports.update(_dropped(source, spec))
             rep.files = _commit(out, source, spec, family, plans, single)
         except BaseException:
@@ -795,7 +798,7 @@ def _source_notes(source: Source, spec: ExportSpec | None, family: str, tensors:
     return notes
 
 
-def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None,
+def share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: ExportSpec | None,
                         measure: bool = True) -> list[str]:
     """Give each fused group one tensor amax (:mod:`.fused_scales`), rewriting its members' steps;
     the report's notes. Reads each member once before the conversion proper (``measure``: and a
@@ -812,7 +815,7 @@ def _share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: Ex
     return notes
 
 
-def _check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torch.Tensor]],
+def check_fused_scales(spec: ExportSpec, shared: Mapping[str, Mapping[str, torch.Tensor]],
                         only: str | None = None) -> list[str]:
     """Refuse (or with ``fused="off"`` warn about) a fused group written with unequal tensor scales:
     an engine applies one to the fused weight, so every member but one would be served wrong.
