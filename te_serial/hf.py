@@ -359,7 +359,7 @@ class TeSerialHfQuantizer(HfQuantizer):
                                       "(save the checkpoint again)", file=str(root))
             quantized = {n: p for n, p in ckpt.protos.items() if p.quantizer is not None}
             self._check_modules(quantized, root)
-            if self._read_itself(model, TeSerialSource(root, ckpt=ckpt), root):
+            if self._read_itself(model, TeSerialSource(root, ckpt=ckpt), root, as_saved=True):
                 return  # per-expert tensors into the model's 3-D experts: the source owns the checkpoint now
             self._serialized = self._keys(model, quantized)
         except BaseException:
@@ -453,18 +453,19 @@ class TeSerialHfQuantizer(HfQuantizer):
                 self._group_of.update({m: members for m in members})
         self._files = files
 
-    def _read_itself(self, model: nn.Module, source: Any, root: Path) -> bool:
+    def _read_itself(self, model: nn.Module, source: Any, root: Path, *, as_saved: bool = False) -> bool:
         """Whether te-serial reads ``source`` itself, as ``load_into`` does, instead of transformers
         reading its keys: a layout transformers would misread (DeepSeek FP8, ModelOpt,
         compressed-tensors…), or quantized per-expert tensors the model holds as 3-D experts. If so,
-        plans each tensor te-serial gives: those the source holds quantized, and the recipe's choice."""
+        plans each tensor te-serial gives: those the source holds quantized, and the recipe's choice
+        (none with ``as_saved``: a te-serial checkpoint's tensors load as they were saved)."""
         slots = tensor_slots(model)
         view = as_model_names(source, slots)
         if (view is source and source.layout == "te-serial") or \
                 not any(st.quantizer is not None for n, st in view.tensors.items() if n in slots):
             return False  # transformers reads the keys (te-serial's own names, or plain weights to quantize)
         cfg = self.quantization_config
-        chosen = self._recipe_choice(model) if cfg.recipe is not None else {}
+        chosen = self._recipe_choice(model) if cfg.recipe is not None and not as_saved else {}
         targets = {}
         for name, st in view.tensors.items():
             if name not in slots:

@@ -385,6 +385,23 @@ def test_from_pretrained_of_a_converted_per_expert_checkpoint_equals_load_into(a
     assert_same_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again"), meta)
 
 
+@pytest.mark.parametrize("attention", ["nvfp4", "keep"])
+def test_from_pretrained_of_a_per_expert_checkpoint_keeps_each_tensor_as_saved(attention, tmp_path):
+    """A converted checkpoint whose experts are MXFP8 and whose attention is NVFP4 or kept in BF16
+    loads with each tensor as saved, whatever recipe its config.json names (``mxfp8`` when every
+    quantized module has it: the attention is not quantized on the way in)."""
+    pytest.importorskip("te_serial.hf")
+    build("qwen3_moe").save_pretrained(tmp_path / "bf16")
+    ts.convert(tmp_path / "bf16", tmp_path / "out", rules=[("*.experts.*", "mxfp8"), ("*_proj.weight", attention)])
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    plain = build("qwen3_moe", device="meta")
+    ts.load_into(plain, tmp_path / "out")
+    assert_same_model(got, plain)
+    assert got.model.layers[0].mlp.experts.gate_up_proj.quantizer.member.kind == "mxfp8"
+    q = got.model.layers[0].self_attn.q_proj.weight
+    assert (q.quantizer.kind == "nvfp4") if attention == "nvfp4" else not isinstance(q, QuantizedTensor)
+
+
 FOREIGN = [("nvfp4", "modelopt_nvfp4"), ("nvfp4", "compressed_tensors_nvfp4"), ("mxfp8", "modelopt_mxfp8"),
            ("mxfp8", "compressed_tensors_mxfp8")]
 
