@@ -310,6 +310,7 @@ class TeSerialHfQuantizer(HfQuantizer):
         self._source = None                              # the source, as the model names its tensors
         self._steps: dict[str, Any] = {}                 # name → load step (None: as it is)
         self._file_keys: dict[str, list[str]] = {}       # name → the file keys holding it
+        self._dropped_keys: list[str] = []               # file keys the importer sets aside (activation scales)
         self._chosen: set[str] = set()                   # names quantized to the recipe on the way in
 
     # --- before the model is built ----------------------------------------------------------------
@@ -480,7 +481,7 @@ class TeSerialHfQuantizer(HfQuantizer):
                                 config=model_config_dict(model), reads=True)
         self._source, self._steps, self._chosen = view, steps, set(chosen) & set(targets)
         self._file_keys = {n: view.file_keys(n) for n in targets}
-        self._file_keys[HELD_KEY] = list(view.dropped)  # activation scales the importer keeps aside
+        self._dropped_keys = list(view.dropped)
         # transformers quantizes none of these; not "pre-quantized", it defers each read to the
         # converter (no read-ahead threads), so SourceKeys can leave the data unread
         self.pre_quantized = False
@@ -504,11 +505,11 @@ class TeSerialHfQuantizer(HfQuantizer):
     def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
         if self._source is not None:  # te-serial reads these keys itself: routed before any model converter
             renamings = [c for c in weight_conversions if isinstance(c, WeightRenaming)]
-            route: dict[str, tuple[str, int]] = {}
+            route = {apply_renamings(k, renamings): (HELD_KEY, HELD) for k in self._dropped_keys}
             for name, keys in self._file_keys.items():
                 renamed = [apply_renamings(k, renamings) for k in keys]
                 route.update(dict.fromkeys(renamed, (HELD_KEY, HELD)))
-                if name == HELD_KEY or not renamed:
+                if not renamed:
                     continue
                 others = [k for k in renamed if k != name]
                 route[others[-1] if others else name] = (name, TRIGGER)  # the last key: a scale, where there is one
@@ -608,7 +609,7 @@ class TeSerialHfQuantizer(HfQuantizer):
                   if isinstance(p, QuantizedTensorStorage)}
         if protos:
             guard_save_pretrained(model)  # save_pretrained writes a te-serial directory
-        if self._file_keys or not self.pre_quantized:  # the config says what the model now holds
+        if not self.pre_quantized:  # quantized on load, or read by te-serial: the config says what the model holds
             held = quantization_config(protos) or {}
             self.quantization_config.modules = held.get("modules", {})
             self.quantization_config.usages = held.get("usages", self.quantization_config.usages)

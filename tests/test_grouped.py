@@ -381,3 +381,31 @@ def test_a_hugging_face_export_splits_grouped_weights_by_default(tmp_path):
         assert torch.equal(got[f"model.layers.0.mlp.experts.{i}.down_proj.weight"], m.dequantize(torch.bfloat16))
     with pytest.raises(ts.errors.ConversionError, match="grouped must be one of"):
         ts.convert(tmp_path / "src", tmp_path / "x", grouped="explode")
+
+
+def test_verified_member_reads_check_each_stored_buffer_once_per_open(tmp_path, monkeypatch):
+    """Reading a grouped tensor's experts one by one with ``verify`` checks each stored buffer once per
+    open checkpoint (not once per expert: that was quadratic in the experts), and a corrupted buffer is
+    still refused at its first read, by a fresh open too."""
+    import te_serial.checkpoint.reader as reader
+    from te_serial.errors import ChecksumError
+    g = G.from_members(members_of("mxfp8", "rows"))
+    path = tmp_path / "ck.safetensors"
+    ts.save_quantized({"e.experts.w.weight": g}, path)
+    calls = []
+    real = reader.checksum
+    monkeypatch.setattr(reader, "checksum", lambda t: calls.append(t.numel()) or real(t))
+    with ts.open(path) as ckpt:
+        for i, m in enumerate(g.members()):
+            assert_same_tensor(ckpt.get("e.experts.w.weight", member=i, verify=True), m, f"member {i}")
+        stored = len(ckpt.manifest.locations("e.experts.w.weight"))
+    assert len(calls) == stored
+    with ts.open(path) as ckpt:   # another open checks again
+        ckpt.get("e.experts.w.weight", member=0, verify=True)
+    assert len(calls) == 2 * stored
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF   # a byte of the last stored buffer
+    path.write_bytes(bytes(data))
+    with ts.open(path) as ckpt, pytest.raises(ChecksumError):
+        for i in range(g.quantizer.num_tensors):
+            ckpt.get("e.experts.w.weight", member=i, verify=True)

@@ -107,6 +107,7 @@ class Checkpoint:
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
         self._held: dict[str, tuple[int, int]] = {}  # file → (descriptor, size) opened with the manifest
         self._self_metadata: dict[str, str] | None = None  # a single file's header metadata (its manifest)
+        self._verified: set[tuple[str, str]] = set()  # (file, key) of mapped buffers whose checksum held
         self._closed = False
         if self.path.is_dir():
             self.root = self.path
@@ -316,11 +317,15 @@ class Checkpoint:
     # --- reading tensors ------------------------------------------------------------------------
     def _read_buffer(self, tname: str, bname: str, file: str, key: str, expected: int | None,
                      verify: bool, mmap: bool = True) -> torch.Tensor:
-        """One stored buffer: a view of the file's private mmap, or (``mmap=False``) a fresh copy."""
+        """One stored buffer: a view of the file's private mmap, or (``mmap=False``) a fresh copy. A
+        mapped buffer is checked once per open checkpoint (reading a grouped tensor's experts one by
+        one, or a tensor's slices, would otherwise check its whole buffer at every read)."""
         f = self._file(file)
         t = f.mapped(key) if mmap else f.read(key)
-        if verify:
+        if verify and (not mmap or (file, key) not in self._verified):
             self._check(tname, bname, f, t, expected)
+            if mmap:
+                self._verified.add((file, key))
         return t
 
     @staticmethod

@@ -35,7 +35,6 @@ import dataclasses
 import json
 import math
 import os
-import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -490,7 +489,7 @@ class SafetensorsSource(Source):
         return st.keys["layout"].load(self, st)
 
     def file_keys(self, name: str) -> list[str]:
-        return [k for k in self.tensors[name].keys.values() if isinstance(k, str) and k in self._where]
+        return [k for k in self.tensors[name].keys.values() if isinstance(k, str) and self.has(k)]
 
 
 # --- detection ------------------------------------------------------------------------------------
@@ -836,9 +835,7 @@ class PerExpertView(Source):
     ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe...w1`` / ``w3`` / ``w2``, its router
     renamed with it). A quantized expert's gate and up are its rows' halves (``slice_quantized``:
     exact, each keeping what holds the whole expert, e.g. NVFP4's one tensor amax: the global scale
-    gate and up share, as engines need). The experts are written in order, so the stack they come
-    from is read once (mapped: its pages are the file's) and its members taken as views; reading
-    each expert's bytes on its own cost a copy and a mapping per expert, 7× the dense export's time."""
+    gate and up share, as engines need). One expert's bytes are read at a time."""
 
     def __init__(self, inner: Source) -> None:
         from ..fusion import architecture_of
@@ -852,8 +849,6 @@ class PerExpertView(Source):
         self.kept_whole = frozenset(n for n, st in inner.tensors.items()
                                     if is_expert_weight(n, st.shape) and fused_name(n))
         split = {p.source for p in self._parts.values()}
-        self._stack: tuple[str, list] | None = None   # (source name, its members): the stack being written
-        self._stack_lock = threading.Lock()
         self._renamed: dict[str, str] = {}
         self.tensors = {}
         for name, st in inner.tensors.items():
@@ -900,10 +895,7 @@ class PerExpertView(Source):
         if st.quantizer is None:
             t = self.inner.load(part.source)[part.expert]
             return t[part.rows[0]:part.rows[1]] if part.rows else t
-        with self._stack_lock:
-            if self._stack is None or self._stack[0] != part.source:
-                self._stack = (part.source, self.inner.load(part.source).members())
-            member = self._stack[1][part.expert]
+        member = self.inner.load_member(part.source, part.expert)
         return slice_quantized(member, rows=part.rows) if part.rows else member
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -169,9 +169,6 @@ class Float8BlockQuantizer(Quantizer):
     def amax_block(self):
         return BLOCK
 
-    def _prepare(self, x2, args):
-        return self._given_amax(args), {}
-
     def _quantize_rows(self, xc, given):
         out = {}
         if self.block_scaling_dim == 2:  # one tile grid for both usages: the columnwise codes are the rowwise ones

@@ -90,8 +90,9 @@ class QuantizeEngine:
 
     def _prepare(self, x2: torch.Tensor, args: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """Tensor-wide pass over the 2-D input [M, K] before the rows: (state for ``_quantize_rows``,
-        whole-tensor buffers such as a per-tensor ``scale_inv`` or ``amax``, in their spec shapes)."""
-        return None, {}
+        whole-tensor buffers such as a per-tensor ``scale_inv`` or ``amax``, in their spec shapes).
+        By default the state is the block maxima the compiled path took (:meth:`_given_amax`), if any."""
+        return self._given_amax(args), {}
 
     def _quantize_rows(self, xc: torch.Tensor, state: Any) -> dict[str, torch.Tensor]:
         """Quantize whole 128-row groups ``xc`` [R, K] (a pure function): per enabled usage (see

@@ -330,18 +330,14 @@ class GroupedQuantizer(Quantizer):
         """``usage``'s grouped buffers of ``out``, each member's derived by the member format (a stack
         derived by a table, element by element: in one call over its members' rows joined, each
         member's rows then a view of the one output)."""
-        from .slicing import cat_rows, join_rows, slice_buffers
-        members = self.split_buffers(buffers, internal=True)
-        if self._stacked() and self.member.derives_by_table(out.member, usage):
-            rows = self.member_shapes[0][0]
-            whole_shape, whole = join_rows(self.member, [(m.logical_shape, m.buffers()) for m in members])
+        from .slicing import cat_rows
+        if self._whole_stack(self.member, out.member) and self.member.derives_by_table(out.member, usage):
+            whole_shape, whole = self._joined(buffers)
             oq = out.member.set_usage(rowwise=usage == ROWWISE, columnwise=usage != ROWWISE)
-            got = self.member.derive(whole, whole_shape, oq, usage)
-            parts = [slice_buffers(oq, got, whole_shape, rows=(i * rows, (i + 1) * rows))[1]
-                     for i in range(self.num_tensors)]
+            parts = self._member_rows(oq, self.member.derive(whole, whole_shape, oq, usage), whole_shape)
         else:
             parts = [self.member.derive(m.buffers(), s, out.member, usage)
-                     for m, s in zip(members, self.member_shapes)]
+                     for m, s in zip(self.split_buffers(buffers, internal=True), self.member_shapes)]
             if any(p is None for p in parts):  # a member's bytes break its format's exact rule: the group requantizes
                 return None
         return {g: cat_rows([p[m].reshape(-1) for p in parts])
@@ -424,29 +420,46 @@ class GroupedQuantizer(Quantizer):
         member the bytes it gets alone: every scale per block (nothing tensor-wide: no per-tensor scale, no
         tensor amax, no delayed-scaling state) and every member's rows ending on the format's blocks."""
         m = self.member
-        return (m is not None and self._stacked() and not m.takes_tensor_amax() and not m.scale_per_tensor
-                and not m.data_dependent and self.member_shapes[0][0] % m.slice_alignment()[0] == 0)
+        return (self._whole_stack(m) and not m.takes_tensor_amax() and not m.scale_per_tensor
+                and not m.data_dependent)
+
+    def _whole_stack(self, *formats: Quantizer | None) -> bool:
+        """A stack of quantized members whose rows end on each of ``formats``' row blocks: its members'
+        rows join into one [E × out, in] tensor of those formats and split back exactly."""
+        rows = self.member_shapes[0][0]
+        return (self._stacked() and all(q is not None for q in formats)
+                and all(rows % q.slice_alignment()[0] == 0 for q in formats))
+
+    def _joined(self, buffers: Mapping[str, torch.Tensor]) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+        """(shape, buffers) of the stack as one [E × out, in] tensor of the member format (its members'
+        rows joined: data buffers as views where they lie in order)."""
+        from .slicing import join_rows
+        return join_rows(self.member, [(m.logical_shape, m.buffers())
+                                       for m in self.split_buffers(buffers, internal=True)])
+
+    def _member_rows(self, q: Quantizer, buffers: Mapping[str, torch.Tensor], shape) -> list[dict[str, torch.Tensor]]:
+        """Each member's buffers of a [E × out, in] tensor of ``q`` (its rows' slice: data a view,
+        compact scales, as the member alone has them)."""
+        from .slicing import slice_buffers
+        rows = self.member_shapes[0][0]
+        return [slice_buffers(q, buffers, shape, rows=(i * rows, (i + 1) * rows))[1] for i in range(self.num_tensors)]
 
     def _quantize_whole(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One quantize of the stacked members (fewer, larger kernel calls), then each member's buffers
-        as its rows' slice (``slice_buffers``: compact scales, as the member alone has them)."""
-        from .slicing import slice_buffers
-        rows, k = self.member_shapes[0]
+        """One quantize of the stacked members (fewer, larger kernel calls), split back into members."""
+        k = self.member_shapes[0][1]
         stacked = (x.transpose(1, 2) if self.transposed else x).reshape(-1, k)
         whole = self.member.quantize(stacked.contiguous(), internal=True)
-        shape, bufs = tuple(whole.logical_shape), whole.buffers()
-        return self.merge_buffers([slice_buffers(self.member, bufs, shape, rows=(i * rows, (i + 1) * rows))[1]
-                                   for i in range(self.num_tensors)], views=True)  # fresh bytes: no copy needed
+        parts = self._member_rows(self.member, whole.buffers(), tuple(whole.logical_shape))
+        return self.merge_buffers(parts, views=True)  # fresh bytes: no copy needed
 
     def _dequantize(self, buffers: Mapping[str, torch.Tensor], shape) -> torch.Tensor:
-        members = self.split_buffers(buffers, internal=True)
         if self._quantizes_whole():  # one dequantize of the stack [E × out, in], the members' rows joined
-            from .slicing import join_rows
-            whole_shape, whole = join_rows(self.member, [(m.logical_shape, m.buffers()) for m in members])
+            whole_shape, whole = self._joined(buffers)
             values = self.member.dequantize_buffers(whole, whole_shape, torch.float32)
             values = values.reshape(self.num_tensors, *self.member_shapes[0])
             return values.transpose(1, 2) if self.transposed else values
-        parts = [m.float() if self.member is None else m.dequantize(torch.float32) for m in members]
+        parts = [m.float() if self.member is None else m.dequantize(torch.float32)
+                 for m in self.split_buffers(buffers, internal=True)]
         return self.join_values(parts)
 
     # --- merge and split (exact: the members' bytes) -------------------------------------------

@@ -264,9 +264,6 @@ class MXFP4Quantizer(Quantizer):
     def amax_block(self):
         return BLOCK
 
-    def _prepare(self, x2, args):
-        return self._given_amax(args), {}
-
     def _encode(self, xc: torch.Tensor, along: int, given: BlockAmax | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of 32 along dim ``along`` of xc [R, C]: (codes packed along the blocks, as the usage
         keeps them: [R, C/2], or columnwise [C, R/2]; the E8M0 bytes on the grid [R, C/32] or

@@ -123,9 +123,6 @@ class MXFP8Quantizer(Quantizer):
     def amax_block(self):
         return BLOCK
 
-    def _prepare(self, x2, args):
-        return self._given_amax(args), {}
-
     def _quantize_rows(self, xc, given):
         rows, k = xc.shape
         tile = None  # 2-D: the 32×32 tiles' exponents, spread to each usage's blocks
