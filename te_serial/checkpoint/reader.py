@@ -107,7 +107,7 @@ class Checkpoint:
         self._metas: dict[int, Any] = {}  # id(prototype) → its unflatten context
         self._held: dict[str, tuple[int, int]] = {}  # file → (descriptor, size) opened with the manifest
         self._self_metadata: dict[str, str] | None = None  # a single file's header metadata (its manifest)
-        self._verified: set[tuple[str, str]] = set()  # (file, key) of mapped buffers whose checksum held
+        self._verified: set[tuple[str, str]] = set()  # (file, key) of pieces read_region found intact
         self._closed = False
         if self.path.is_dir():
             self.root = self.path
@@ -317,16 +317,21 @@ class Checkpoint:
     # --- reading tensors ------------------------------------------------------------------------
     def _read_buffer(self, tname: str, bname: str, file: str, key: str, expected: int | None,
                      verify: bool, mmap: bool = True) -> torch.Tensor:
-        """One stored buffer: a view of the file's private mmap, or (``mmap=False``) a fresh copy. A
-        mapped buffer is checked once per open checkpoint (reading a grouped tensor's experts one by
-        one, or a tensor's slices, would otherwise check its whole buffer at every read)."""
+        """One stored buffer: a view of the file's private mmap, or (``mmap=False``) a fresh copy."""
         f = self._file(file)
         t = f.mapped(key) if mmap else f.read(key)
-        if verify and (not mmap or (file, key) not in self._verified):
+        if verify:
             self._check(tname, bname, f, t, expected)
-            if mmap:
-                self._verified.add((file, key))
         return t
+
+    def _verify_piece(self, tname: str, bname: str, pc: StoredPiece) -> None:
+        """Check a whole stored piece once per open checkpoint, through a mapping of its own pages let
+        go after (reading a grouped tensor's experts one by one, or a tensor's slices, would otherwise
+        check, and keep resident, its whole buffer at every read)."""
+        if (pc.file, pc.key) not in self._verified:
+            f = self._file(pc.file)
+            self._check(tname, bname, f, f.mapped(pc.key, own=True), pc.checksum)
+            self._verified.add((pc.file, pc.key))
 
     @staticmethod
     def _check(tname: str, bname: str, f: SafetensorsFile, t: torch.Tensor, expected: int | None) -> None:
@@ -491,7 +496,8 @@ class Checkpoint:
     def read_region(self, name: str, buf: BufferPieces, offsets, sizes, verify: bool = False,
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """The box ``offsets`` / ``sizes`` of one buffer's region view (stored dtype), reading only
-        the bytes of the pieces' parts inside it (``verify``: whole touched pieces, checked)."""
+        the bytes of the pieces' parts inside it (``verify``: whole touched pieces, checked once per
+        open checkpoint)."""
         offsets, sizes = tuple(offsets), tuple(sizes)
         if out is None:
             out = torch.empty(sizes, dtype=buf.dtype)
@@ -504,8 +510,8 @@ class Checkpoint:
             extent = tuple(h - l for l, h in zip(lo, hi))
             dst = _narrow(out, [l - o for l, o in zip(lo, offsets)], extent)
             if verify:
-                dst.copy_(_narrow(self._piece_data(name, buf.name, pc, True), within, extent))
-            elif dst.is_contiguous():
+                self._verify_piece(name, buf.name, pc)
+            if dst.is_contiguous():
                 self._file(pc.file).read_box(pc.key, pc.array, within, extent, out=dst)
             else:
                 dst.copy_(self._file(pc.file).read_box(pc.key, pc.array, within, extent))
