@@ -378,7 +378,7 @@ def _nominal(step, dtype: torch.dtype):
 
 def _slices(found, names, shard_fn, path) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:
     """name → (rows, cols, shape of the slice) for the tensors ``shard_fn`` slices."""
-    from .formats.slicing import _bounds
+    from .formats.slicing import range_bounds
     out = {}
     for name in names:
         st = found[name]
@@ -393,8 +393,8 @@ def _slices(found, names, shard_fn, path) -> dict[str, tuple[Any, Any, tuple[int
             raise CheckpointError("a 0-d tensor cannot be sliced", file=str(path), tensor=name)
         m, k = math.prod(shape[:-1]), shape[-1]
         rows, cols = spec.get("rows"), spec.get("cols")
-        r0, r1 = _bounds(rows, m, 1, "rows")
-        c0, c1 = _bounds(cols, k, 1, "cols")
+        r0, r1 = range_bounds(rows, m, 1, "rows")
+        c0, c1 = range_bounds(cols, k, 1, "cols")
         out[name] = (rows, cols, (*shape[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0))
     return out
 

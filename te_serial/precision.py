@@ -17,6 +17,7 @@ included). Biases, 1-D tensors and everything else stay as they are.
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Sequence
 
 #: (glob patterns on tensor names, why they stay high precision), first match wins
@@ -29,6 +30,9 @@ HIGH_PRECISION_RULES = (
 )
 #: every pattern of :data:`HIGH_PRECISION_RULES`
 HIGH_PRECISION_PATTERNS = tuple(p for patterns, _ in HIGH_PRECISION_RULES for p in patterns)
+#: each rule's patterns as one expression (a name is matched once per rule, not once per pattern)
+_RULES = tuple((re.compile("|".join(fnmatch.translate(p) for p in patterns)), why)
+               for patterns, why in HIGH_PRECISION_RULES)
 
 
 def is_expert_weight(name: str, shape: Sequence[int]) -> bool:
@@ -47,8 +51,8 @@ def high_precision_reason(name: str, shape: Sequence[int]) -> str | None:
             return "3-D, not a stack of expert weights under an 'experts' module"
     elif len(shape) != 2 or not (name == "weight" or name.endswith(".weight")):
         return "not a 2-D '*.weight' (a linear layer's) or a 3-D expert stack"
-    for patterns, why in HIGH_PRECISION_RULES:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+    for rule, why in _RULES:
+        if rule.match(name):
             return why
     return None
 

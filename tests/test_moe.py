@@ -7,6 +7,7 @@ the per-expert checkpoints ``save_pretrained`` and ``convert`` write.
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from te_serial.formats.slicing import join_rows, slice_quantized
 from te_serial.precision import high_precision_reason
 from te_serial.recipes import recipe_quantizer
 
+from helpers import assert_same_tensor
 from reference import te_reference as ref
 
 transformers = pytest.importorskip("transformers")
@@ -532,6 +534,52 @@ def test_exports_write_each_expert_under_the_engines_names_and_import_back_exact
     meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
     ts.load_into(meta, tmp_path / "out")   # the export, read back into the 3-D experts
     assert_same_model(meta, model)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_an_export_reads_a_stacks_experts_together_with_the_same_bytes(recipe, tmp_path, monkeypatch):
+    """A serving export writes each expert on its own, but reads a stack's experts a batch at a time
+    (one ``members=`` range per stack and pass, not one read per expert), and each piece it gets is
+    byte-identical to that expert read alone; a corrupted stack still fails the export before
+    anything is committed."""
+    from te_serial.checkpoint.reader import Checkpoint
+    from te_serial.conversion.core import _batches, plan_conversion
+    from te_serial.conversion.sources import open_source, split_experts
+    from te_serial.errors import CheckpointError
+    model = ts.quantize_model(build("qwen3_moe"), recipe, columnwise=False)
+    ts.save_quantized(model, tmp_path / "te")
+    with open_source(tmp_path / "te") as inner:
+        source = split_experts(inner)
+        _, _, plans = plan_conversion(source, recipe="modelopt_" + recipe)
+        batches = [b for b in _batches(source, plans) if len(b) > 1]
+        stacks = {n for n, st in inner.tensors.items() if ".experts." in n}
+        assert {source.piece_of(b[0].name) for b in batches} == stacks   # every stack, batched
+        for batch in batches:
+            names = [p.name for p in batch]
+            for name, got in zip(names, source.load_pieces(names)):
+                assert_same_tensor(got, source.load(name), name)
+    reads = []
+    real = Checkpoint.get
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name, *a, **kw: reads.append((name, kw.get("member"),
+                                                                                     kw.get("members")))
+                        or real(self, name, *a, **kw))
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_" + recipe)
+    assert not [r for r in reads if r[1] is not None]    # no expert read on its own
+    # each stack once; NVFP4's gate_up once more, before: its gate and up take one global scale
+    want = {s: 2 if recipe == "nvfp4" and s.endswith("gate_up_proj") else 1 for s in stacks}
+    assert collections.Counter(r[0] for r in reads if r[2] is not None) == want
+    monkeypatch.setattr(Checkpoint, "get", real)
+    with ts.open(tmp_path / "te") as ck:
+        _, file, key = ck.manifest.locations(sorted(stacks)[0])[0][:3]
+    shard = tmp_path / "te" / file
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:header])
+    data[header + meta[key]["data_offsets"][0] + 3] ^= 0x40   # one byte of the stack's first buffer
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        ts.convert(tmp_path / "te", tmp_path / "bad", recipe="modelopt_" + recipe)
+    assert not (tmp_path / "bad" / "config.json").exists() and not list((tmp_path / "bad").glob("*.safetensors"))
 
 
 def test_export_tensors_of_a_moe_model_names_its_experts():

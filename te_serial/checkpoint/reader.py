@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
+import math
 import operator
 import os
 import resource
@@ -30,7 +31,7 @@ from ..errors import ChecksumError, CheckpointError, CheckpointFileError, Manife
 from ..errors import ShapeError
 from ..formats.tensors import QuantizedTensorStorage
 from ..formats.protocol import flatten_2d
-from ..formats.slicing import _bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
+from ..formats.slicing import range_bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
 from .files import (SHARD_METADATA, PlannedHeader, SafetensorsFile, checksum, gc_paused, header_json,
                     leading_metadata, open_regular, planned_header)
@@ -509,12 +510,18 @@ class Checkpoint:
             within = tuple(l - b for l, b in zip(lo, pc.offsets))
             extent = tuple(h - l for l, h in zip(lo, hi))
             dst = _narrow(out, [l - o for l, o in zip(lo, offsets)], extent)
-            if verify:
+            # a whole piece read into one run of memory is checked there; a part of one, through its own mapping
+            whole = verify and (pc.file, pc.key) not in self._verified and extent == tuple(pc.sizes) \
+                and math.prod(pc.array) == math.prod(extent) and dst.is_contiguous()
+            if verify and not whole:
                 self._verify_piece(name, buf.name, pc)
             if dst.is_contiguous():
                 self._file(pc.file).read_box(pc.key, pc.array, within, extent, out=dst)
             else:
                 dst.copy_(self._file(pc.file).read_box(pc.key, pc.array, within, extent))
+            if whole:
+                self._check(name, buf.name, self._file(pc.file), dst, pc.checksum)
+                self._verified.add((pc.file, pc.key))
         return out
 
     def _get_member(self, name: str, i: int, verify: bool) -> torch.Tensor:
@@ -555,9 +562,9 @@ class Checkpoint:
         bufs = self.pieces(name)
         if q is not None:
             boxes = buffer_regions(q, shape, rows, cols)  # alignment refused here (ShapeError)
-            (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
+            (r0, r1), (c0, c1) = range_bounds(rows, m, 1, "rows"), range_bounds(cols, k, 1, "cols")
         else:
-            (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
+            (r0, r1), (c0, c1) = range_bounds(rows, m, 1, "rows"), range_bounds(cols, k, 1, "cols")
             [buf] = bufs
             flat = []
             for pc in buf.pieces:  # plain pieces as ranges of rows × cols of [M, K]

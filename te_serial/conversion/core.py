@@ -711,41 +711,91 @@ def _metadata(source: Source, family: str, activation_amax) -> dict[str, str]:
     return metadata
 
 
+#: pieces of one stored tensor (a stack's experts) are read together up to this many bytes at a time
+PIECE_BATCH_BYTES = 64 << 20
+
+
+def _batches(source: Source, plans: list[TensorPlan]) -> list[list[TensorPlan]]:
+    """The pipeline's items: each tensor alone, except consecutive pieces of one stored tensor (a
+    stack's experts written one by one), read together within :data:`PIECE_BATCH_BYTES`."""
+    out: list[list[TensorPlan]] = []
+    last, held = None, 0
+    for p in plans:
+        whole = source.piece_of(p.name)
+        if whole is not None and whole == last and held + p.src.nbytes <= PIECE_BATCH_BYTES:
+            out[-1].append(p)
+            held += p.src.nbytes
+        else:
+            out.append([p])
+            held = p.src.nbytes
+        last = whole
+    return out
+
+
+def _batched_loader(source: Source, plans: list[TensorPlan]) -> Callable[[str], torch.Tensor]:
+    """``source.load``, except that a piece of a stored tensor comes with the rest of its batch
+    (:func:`_batches`), read together and held until a tensor outside the batch is asked for."""
+    batch_of = {p.name: b for b in _batches(source, plans) if len(b) > 1 for p in b}
+    held: dict[str, torch.Tensor] = {}
+
+    def load(name: str) -> torch.Tensor:
+        if name in held:
+            return held[name]
+        held.clear()
+        batch = batch_of.get(name)
+        if batch is None:
+            return source.load(name)
+        names = [p.name for p in batch]
+        held.update(zip(names, source.load_pieces(names)))
+        return held[name]
+    return load
+
+
 def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Output", dev: torch.device,
                  stats: str, progress: ProgressFn | None) -> dict[str, TensorReport]:
-    """Every tensor read, converted and written (three overlapping stages), one at a time; a tied
-    tensor reported as its partner. The reports by name."""
+    """Every tensor read, converted and written (three overlapping stages), one at a time (a stack's
+    experts a batch at a time); a tied tensor reported as its partner. The reports by name."""
     total, done = source.nbytes, 0
     reports: dict[str, TensorReport] = {}
     if progress is not None:
         progress(0, total, "")
 
-    def read(plan: TensorPlan) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def read(batch: list[TensorPlan]) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
+        if len(batch) > 1:
+            pieces = _guarded(source, batch[0], lambda: source.load_pieces([p.name for p in batch]))
+            return [(to_device(t, dev) if _computes(p.step) else t, None) for p, t in zip(batch, pieces)]
+        plan = batch[0]
         if _computes(plan.step):
-            return to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None
+            return [(to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None)]
         # a byte relayout: the source's pages go to the output as they are, checked once written
-        return _guarded(source, plan, lambda: source.stream(plan.name))
+        return [_guarded(source, plan, lambda: source.stream(plan.name))]
 
-    def compute(plan: TensorPlan, item) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def compute(batch: list[TensorPlan], items) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
         nonlocal done
-        src, check = item
-        result, reports[plan.name], _ = _guarded(
-            source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
-        if plan.src.alias_of is None:
-            done += plan.src.nbytes
-        if progress is not None:
-            progress(done, total, plan.name)
-        return result, check
+        results = []
+        for plan, (src, check) in zip(batch, items):
+            result, reports[plan.name], _ = _guarded(
+                source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+            results.append((result, check))
+            if plan.src.alias_of is None:
+                done += plan.src.nbytes
+            if progress is not None:
+                progress(done, total, plan.name)
+        return results
 
-    def write(plan: TensorPlan, item) -> None:
-        result, check = item
-        _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
-        if check is not None:  # before anything is committed
-            _guarded(source, plan, check)
+    def write(batch: list[TensorPlan], items) -> None:
+        for plan, (result, check) in zip(batch, items):
+            _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
+            if check is not None:  # before anything is committed
+                _guarded(source, plan, check)
 
-    items = [p for p in plans if p.alias_of is None]
-    run_pipeline(items, read, compute, write, size=_output_bytes,
-                 write_budget=3 * max(map(_output_bytes, items), default=0) // 2)
+    batches = _batches(source, [p for p in plans if p.alias_of is None])
+
+    def size(batch: list[TensorPlan]) -> int:
+        return sum(map(_output_bytes, batch))
+
+    run_pipeline(batches, read, compute, write, size=size,
+                 write_budget=3 * max(map(size, batches), default=0) // 2)
     for plan in plans:
         if plan.alias_of is not None:
             st, ref = plan.src, reports.get(plan.alias_of)
@@ -807,7 +857,8 @@ def share_fused_scales(source: Source, plans: list[TensorPlan], fused, spec: Exp
     if not groups:
         return []
     by_name = {p.name: p for p in plans if p.alias_of is None and p.step is not None}
-    changed, notes = share_fused_amax(lambda n: _guarded(source, by_name[n], lambda: source.load(n)),
+    load = _batched_loader(source, list(by_name.values()))
+    changed, notes = share_fused_amax(lambda n: _guarded(source, by_name[n], lambda: load(n)),
                                       {n: p.step for n, p in by_name.items()}, groups, rule=fused,
                                       reexpress=spec is not None, measure=measure)
     for name, step in changed.items():
@@ -861,9 +912,16 @@ def _same_usage_bytes(a: QuantizedTensorStorage, b: QuantizedTensorStorage, usag
     if qa.layout_key() != qb.layout_key() or tuple(a.logical_shape) != tuple(b.logical_shape):
         return False
     ba, bb = qa.usage_buffers(a.buffers(), usage), qb.usage_buffers(b.buffers(), usage)
-    return set(ba) == set(bb) and all(
-        ba[n].shape == bb[n].shape and torch.equal(ba[n].contiguous().view(torch.uint8), bb[n].contiguous().view(torch.uint8))
-        for n in ba)
+    return set(ba) == set(bb) and all(_same_bytes(ba[n], bb[n]) for n in ba)
+
+
+def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal shapes and bytes (one view of the same memory holds them without a compare)."""
+    if x.shape != y.shape or x.dtype.itemsize != y.dtype.itemsize:
+        return False
+    if x.device == y.device and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
+        return True
+    return torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
 def _compare_members(src: torch.Tensor, result: QuantizedTensorStorage) -> ErrorStats | None:

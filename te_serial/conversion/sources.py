@@ -36,7 +36,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -161,6 +161,20 @@ class Source:
         """Expert ``member`` of the grouped tensor ``name``."""
         return self.load(name).members()[member]
 
+    def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Experts ``start`` .. ``stop - 1`` of the grouped tensor ``name``, as a grouped tensor of their own."""
+        return self.load(name).member_range(start, stop)
+
+    def piece_of(self, name: str) -> str | None:
+        """The stored tensor that ``name`` is one piece of (an expert of a stack, or its gate or up), or
+        None: :meth:`load_pieces` reads such pieces together."""
+        return None
+
+    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The tensors ``names``, pieces of one stored tensor (:meth:`piece_of`) in order: its bytes
+        read once for all of them, not once per piece."""
+        return [self.load(n) for n in names]
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -229,6 +243,9 @@ class TeSerialSource(Source):
 
     def load_member(self, name: str, member: int) -> torch.Tensor:
         return self.ckpt.get(name, verify=self.verify, mmap=False, member=member)  # that expert's bytes only
+
+    def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.ckpt.get(name, verify=self.verify, members=(start, stop))  # those experts' bytes only
 
     def _activation_amax(self) -> dict[str, float]:
         """module → input amax: from TE delayed-scaling state (``<m>._extra_state``'s
@@ -654,7 +671,8 @@ class ModuleSource(Source):
 class GroupedView(Source):
     """``source`` with its grouped (MoE) weights split into per-expert tensors under Hugging Face's
     names (``mode="split"``), or its per-expert tensors merged into grouped ones (``"merge"``),
-    exactly; every other tensor passes through. A split reads one expert's bytes at a time.
+    exactly; every other tensor passes through. A split reads one expert's bytes per ``load``, a range
+    of experts' per ``load_pieces``.
     The naming rule and the packing are the grouped format's (``te_serial.formats.grouped``)."""
 
     def __init__(self, inner: Source, mode: str, keep: frozenset[str] = frozenset()) -> None:
@@ -712,6 +730,27 @@ class GroupedView(Source):
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.inner.stream(name) if "grouped" not in self.tensors[name].keys else (self.load(name), None)
+
+    def _member_of(self, name: str) -> tuple[str, int] | None:
+        keys = self.tensors[name].keys
+        if "grouped" not in keys or keys["merged"] or keys["grouped"][0][1] is None:
+            return None
+        return keys["grouped"][0]
+
+    def piece_of(self, name: str) -> str | None:
+        if "grouped" not in self.tensors[name].keys:
+            return self.inner.piece_of(name)
+        member = self._member_of(name)
+        return member[0] if member is not None else None
+
+    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+        members = [self._member_of(n) for n in names]
+        if any(m is None for m in members):
+            return self.inner.load_pieces(names) if all("grouped" not in self.tensors[n].keys for n in names) \
+                else [self.load(n) for n in names]
+        lo, hi = min(i for _, i in members), max(i for _, i in members) + 1
+        stack = self.inner.load_members(members[0][0], lo, hi).members()
+        return [stack[i - lo] for _, i in members]
 
     def close(self) -> None:
         self.inner.close()
@@ -835,7 +874,8 @@ class PerExpertView(Source):
     ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe...w1`` / ``w3`` / ``w2``, its router
     renamed with it). A quantized expert's gate and up are its rows' halves (``slice_quantized``:
     exact, each keeping what holds the whole expert, e.g. NVFP4's one tensor amax: the global scale
-    gate and up share, as engines need). One expert's bytes are read at a time."""
+    gate and up share, as engines need). ``load`` reads one expert's bytes; ``load_pieces`` a range of
+    experts' bytes in one read, for the export that writes them one by one."""
 
     def __init__(self, inner: Source) -> None:
         from ..fusion import architecture_of
@@ -903,6 +943,24 @@ class PerExpertView(Source):
         if "expert_part" in st.keys or name in self._renamed:
             return self.load(name), None
         return self.inner.stream(name)
+
+    def piece_of(self, name: str) -> str | None:
+        part = self.tensors[name].keys.get("expert_part")
+        return part.source if part is not None else None
+
+    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+        from ..formats.slicing import slice_quantized
+        parts = [self.tensors[n].keys.get("expert_part") for n in names]
+        if any(p is None for p in parts) or len({p.source for p in parts}) != 1:
+            return [self.load(n) for n in names]
+        source = parts[0].source
+        lo, hi = min(p.expert for p in parts), max(p.expert for p in parts) + 1
+        if self.inner.tensors[source].quantizer is None:
+            stack = self.inner.load(source)
+            return [stack[p.expert][p.rows[0]:p.rows[1]] if p.rows else stack[p.expert] for p in parts]
+        members = self.inner.load_members(source, lo, hi).members()
+        return [slice_quantized(members[p.expert - lo], rows=p.rows) if p.rows else members[p.expert - lo]
+                for p in parts]
 
     def close(self) -> None:
         self.inner.close()

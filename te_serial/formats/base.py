@@ -86,7 +86,9 @@ class Quantizer(LayoutRules, QuantizeEngine):
         return {"rowwise": self.rowwise, "columnwise": self.columnwise}
 
     def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> "Quantizer":
-        """A copy with other usages (quantizers are immutable)."""
+        """A copy with other usages (quantizers are immutable: itself where they are the same)."""
+        if (rowwise is None or rowwise == self.rowwise) and (columnwise is None or columnwise == self.columnwise):
+            return self
         return dataclasses.replace(
             self, rowwise=self.rowwise if rowwise is None else rowwise,
             columnwise=self.columnwise if columnwise is None else columnwise)

@@ -19,6 +19,7 @@ other buffer equals the range quantized on its own.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -34,7 +35,7 @@ Range = tuple[int, int] | slice | None
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def _bounds(r: Range, n: int, align: int, what: str) -> tuple[int, int]:
+def range_bounds(r: Range, n: int, align: int, what: str) -> tuple[int, int]:
     """(start, stop) of ``r`` within ``n``, refusing empty, out-of-range or unaligned ranges."""
     if r is None:
         return 0, n
@@ -101,8 +102,8 @@ def buffer_regions(q: Quantizer, shape, rows: Range = None, cols: Range = None) 
     shape = tuple(int(s) for s in shape)
     m, k = flatten_2d(shape)
     ra, ca = q.slice_alignment()
-    r0, r1 = _bounds(rows, m, ra, "rows")
-    c0, c1 = _bounds(cols, k, ca, "cols")
+    r0, r1 = range_bounds(rows, m, ra, "rows")
+    c0, c1 = range_bounds(cols, k, ca, "cols")
     if q.is_container:  # a range of whole members: their parts of the packed buffers
         return q.member_boxes((r0, r1))
     views = region_views(q, shape)
@@ -151,23 +152,7 @@ def slice_from_regions(q: Quantizer, shape, pieces: Mapping[str, torch.Tensor]) 
     """The buffers of a tensor of ``shape`` from each buffer's whole region view (``pieces``, as
     :func:`region_views` shapes them): data reshaped (a view where it can be), scales placed at the
     top left of a zero-padded buffer, tensor-wide buffers copied."""
-    specs = q.describe_buffers(tuple(shape))
-    views = region_views(q, shape)
-    data = {q.usage_layout(u).data for u in q.usages_on()}
-    out = {}
-    for name, spec in specs.items():
-        piece = pieces[name]
-        if tuple(piece.shape) != views[name]:
-            raise ShapeError(f"buffer {name} region is {list(piece.shape)}, expected {list(views[name])}")
-        if name in data:
-            out[name] = piece.contiguous().reshape(spec.shape)
-            continue
-        full = storage_view(spec.shape, views[name])
-        nbytes = piece.dtype.itemsize
-        buf = torch.zeros((*full[:-1], full[-1] * nbytes), dtype=torch.uint8, device=piece.device).view(piece.dtype)
-        buf[tuple(slice(0, v) for v in views[name])] = piece
-        out[name] = buf.reshape(spec.shape)
-    return out
+    return _place(_placement(q, tuple(int(s) for s in shape)), pieces)
 
 
 def _narrow(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -186,17 +171,51 @@ def slice_buffers(q: Quantizer, buffers: Mapping[str, torch.Tensor], shape, rows
     """
     shape = tuple(int(s) for s in shape)
     m, k = flatten_2d(shape)
+    (r0, r1), (c0, c1) = range_bounds(rows, m, 1, "rows"), range_bounds(cols, k, 1, "cols")
+    new_shape, cuts, placed = _slice_plan(q, shape, None if rows is None else (r0, r1), (c0, c1))
+    pieces = {}
+    for name, (full, box) in cuts.items():
+        pieces[name] = _narrow(buffers[name].reshape(full), box)
+    return new_shape, _place(placed, pieces)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slice_plan(q: Quantizer, shape: tuple[int, ...], rows: tuple[int, int] | None, cols: tuple[int, int]):
+    """What slicing a tensor of ``shape`` by ``rows`` × ``cols`` does to each buffer, from the format's
+    rules alone (the same for every expert of a stack, so worked out once): (new shape, buffer →
+    (the parent's view to cut it from, the box), the new buffers' placement for :func:`_place`)."""
     boxes = buffer_regions(q, shape, rows, cols)
-    (r0, r1), (c0, c1) = _bounds(rows, m, 1, "rows"), _bounds(cols, k, 1, "cols")
-    new_shape = (*shape[:-1], c1 - c0) if rows is None else (r1 - r0, c1 - c0)
+    new_shape = (*shape[:-1], cols[1] - cols[0]) if rows is None else (rows[1] - rows[0], cols[1] - cols[0])
     q.describe_buffers(new_shape)  # the format's shape rule (ShapeError)
     specs, views = q.describe_buffers(shape), region_views(q, shape)
-    pieces = {}
-    for name, box in boxes.items():
-        b = buffers[name]
-        full = storage_view(specs[name].shape, views[name])
-        pieces[name] = _narrow(b.reshape(full), box)
-    return new_shape, slice_from_regions(q, new_shape, pieces)
+    cuts = {name: (storage_view(specs[name].shape, views[name]), box) for name, box in boxes.items()}
+    return new_shape, cuts, _placement(q, new_shape)
+
+
+def _placement(q: Quantizer, shape) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]]:
+    """Buffer → (its region view, its stored shape, the whole-buffer view it is placed in, is data)
+    for a tensor of ``shape``: what :func:`slice_from_regions` builds the buffers from."""
+    specs = q.describe_buffers(tuple(shape))
+    views = region_views(q, shape)
+    data = {q.usage_layout(u).data for u in q.usages_on()}
+    return {name: (views[name], tuple(spec.shape), storage_view(spec.shape, views[name]), name in data)
+            for name, spec in specs.items()}
+
+
+def _place(placed, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (view, stored, full, is_data) in placed.items():
+        piece = pieces[name]
+        if tuple(piece.shape) != view:
+            raise ShapeError(f"buffer {name} region is {list(piece.shape)}, expected {list(view)}")
+        if is_data:
+            out[name] = piece.contiguous().reshape(stored)
+            continue
+        nbytes = piece.dtype.itemsize
+        buf = torch.zeros((*full[:-1], full[-1] * nbytes), dtype=torch.uint8, device=piece.device).view(piece.dtype)
+        buf[tuple(slice(0, v) for v in view)] = piece
+        out[name] = buf.reshape(stored)
+    return out
 
 
 def slice_quantized(t: QuantizedTensorStorage, *, rows: Range = None, cols: Range = None) -> QuantizedTensorStorage:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -261,7 +262,9 @@ class ExternalLayout:
         return t
 
 
+@functools.lru_cache(maxsize=256)
 def _same_rowwise(q: Quantizer, rep: Quantizer) -> bool:
+    """Do ``q`` and ``rep`` lay out rowwise buffers alike (so ``rep`` may be recorded for ``q``'s bytes)?"""
     try:
         a, b = q.describe_buffers((256, 256)), rep.describe_buffers((256, 256))
     except Exception:
@@ -295,7 +298,7 @@ def sidecar_entry(t: QuantizedTensorStorage, source_q: Quantizer | None = None) 
 def write_sidecar(entries: Mapping[str, dict], activation_amax: Mapping[str, float]) -> bytes:
     doc = {"format": SIDECAR_FORMAT, "version": 1, "tensors": dict(entries),
            "activation_amax": {k: float(v).hex() for k, v in activation_amax.items()}}
-    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()   # one line: C's encoder (indent runs Python's, ~4× slower)
 
 
 def read_sidecar(path: Path) -> tuple[dict[str, dict], dict[str, float]]:
