@@ -744,10 +744,11 @@ class GroupedView(Source):
         return member[0] if member is not None else None
 
     def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+        if all("grouped" not in self.tensors[n].keys for n in names):
+            return self.inner.load_pieces(names)   # pieces the inner source splits (3-D experts)
         members = [self._member_of(n) for n in names]
-        if any(m is None for m in members):
-            return self.inner.load_pieces(names) if all("grouped" not in self.tensors[n].keys for n in names) \
-                else [self.load(n) for n in names]
+        if any(m is None for m in members) or len({m[0] for m in members}) != 1:
+            return [self.load(n) for n in names]
         lo, hi = min(i for _, i in members), max(i for _, i in members) + 1
         stack = self.inner.load_members(members[0][0], lo, hi).members()
         return [stack[i - lo] for _, i in members]
