@@ -582,6 +582,29 @@ def test_an_export_reads_a_stacks_experts_together_with_the_same_bytes(recipe, t
     assert not (tmp_path / "bad" / "config.json").exists() and not list((tmp_path / "bad").glob("*.safetensors"))
 
 
+def test_an_export_of_bf16_3d_experts_reads_each_stack_by_rows_and_quantizes_each_expert(tmp_path, monkeypatch):
+    """A te-serial checkpoint holding a model's 3-D experts in BF16, exported to a serving layout: each
+    stack is read by expert ranges (``rows=``, never whole per batch), and the experts written
+    quantized load back equal to ``quantize_model`` of the same model."""
+    from te_serial.checkpoint.reader import Checkpoint
+    model = build("qwen3_moe")
+    ts.save_quantized(model, tmp_path / "te")
+    reads = []
+    real = Checkpoint.get
+    real_stream = Checkpoint.stream
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name, *a, **kw: reads.append((name, kw.get("rows")))
+                        or real(self, name, *a, **kw))
+    monkeypatch.setattr(Checkpoint, "stream", lambda self, name, *a, **kw: reads.append((name, None))
+                        or real_stream(self, name, *a, **kw))
+    ts.convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_mxfp8")
+    stacks = {n for n, p in model.named_parameters() if p.dim() == 3}
+    assert {n for n, rows in reads if rows is not None} == stacks
+    assert not [n for n, rows in reads if n in stacks and rows is None]   # never read whole
+    meta = ts.quantize_model(build("qwen3_moe", device="meta"), "mxfp8", columnwise=False)
+    ts.load_into(meta, tmp_path / "out")
+    assert_same_model(meta, ts.quantize_model(model, "mxfp8", columnwise=False))
+
+
 def test_export_tensors_of_a_moe_model_names_its_experts():
     model = ts.quantize_model(build("mixtral"), "mxfp8", columnwise=False)
     names = [n for n, _ in ts.serving.export_tensors(model, "modelopt_mxfp8")]

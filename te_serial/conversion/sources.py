@@ -162,8 +162,10 @@ class Source:
         return self.load(name).members()[member]
 
     def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Experts ``start`` .. ``stop - 1`` of the grouped tensor ``name``, as a grouped tensor of their own."""
-        return self.load(name).member_range(start, stop)
+        """Experts ``start`` .. ``stop - 1`` of the grouped tensor ``name``, as a grouped tensor of their
+        own (of a plain 3-D stack: those rows of its first dim)."""
+        t = self.load(name)
+        return t.member_range(start, stop) if isinstance(t, QuantizedTensorStorage) else t[start:stop]
 
     def piece_of(self, name: str) -> str | None:
         """The stored tensor that ``name`` is one piece of (an expert of a stack, or its gate or up), or
@@ -245,6 +247,11 @@ class TeSerialSource(Source):
         return self.ckpt.get(name, verify=self.verify, mmap=False, member=member)  # that expert's bytes only
 
     def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shape = self.tensors[name].shape
+        if self.tensors[name].quantizer is None:   # a plain 3-D stack: those experts' rows
+            per = math.prod(shape[1:-1])
+            return self.ckpt.get(name, verify=self.verify, rows=(start * per, stop * per)).reshape(
+                stop - start, *shape[1:])
         return self.ckpt.get(name, verify=self.verify, members=(start, stop))  # those experts' bytes only
 
     def _activation_amax(self) -> dict[str, float]:
@@ -956,10 +963,10 @@ class PerExpertView(Source):
             return [self.load(n) for n in names]
         source = parts[0].source
         lo, hi = min(p.expert for p in parts), max(p.expert for p in parts) + 1
+        stack = self.inner.load_members(source, lo, hi)
         if self.inner.tensors[source].quantizer is None:
-            stack = self.inner.load(source)
-            return [stack[p.expert][p.rows[0]:p.rows[1]] if p.rows else stack[p.expert] for p in parts]
-        members = self.inner.load_members(source, lo, hi).members()
+            return [stack[p.expert - lo][p.rows[0]:p.rows[1]] if p.rows else stack[p.expert - lo] for p in parts]
+        members = stack.members()
         return [slice_quantized(members[p.expert - lo], rows=p.rows) if p.rows else members[p.expert - lo]
                 for p in parts]
 
