@@ -357,17 +357,17 @@ def _odd_state():
 def test_direct_io_writes_whole_blocks_and_buffers_the_edges(tmp_path, monkeypatch):
     """Large files write each buffer's whole blocks with O_DIRECT and its partial edge blocks through
     the page cache: the file is byte for byte what a buffered save writes."""
-    from te_serial.checkpoint import direct_io, files
+    from te_serial.checkpoint import direct_io, shards
     sd = _odd_state()
     monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "0")
     ts.save_quantized(sd, tmp_path / "buffered.safetensors")
     monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "1")
-    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
     calls = []
-    real = files._DirectBlocks.write
-    monkeypatch.setattr(files._DirectBlocks, "write", lambda self, v, o: calls.append(real(self, v, o)) or calls[-1])
+    real = shards._DirectBlocks.write
+    monkeypatch.setattr(shards._DirectBlocks, "write", lambda self, v, o: calls.append(real(self, v, o)) or calls[-1])
     try:
-        probe = files._DirectBlocks(tmp_path / "buffered.safetensors")
+        probe = shards._DirectBlocks(tmp_path / "buffered.safetensors")
         probe.close()
         direct_here = True
     except OSError:
@@ -381,15 +381,15 @@ def test_direct_io_writes_whole_blocks_and_buffers_the_edges(tmp_path, monkeypat
 
 
 def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    from te_serial.checkpoint import direct_io, files
+    from te_serial.checkpoint import direct_io, shards
     sd = _odd_state()
     ts.save_quantized(sd, tmp_path / "ref.safetensors")
     monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "1")
-    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
 
     def refuse(self, view, offset):
         raise OSError(22, "Invalid argument")
-    monkeypatch.setattr(files._DirectBlocks, "write", refuse)
+    monkeypatch.setattr(shards._DirectBlocks, "write", refuse)
     ts.save_quantized(sd, tmp_path / "fallback.safetensors")
     assert (tmp_path / "fallback.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 

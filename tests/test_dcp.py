@@ -266,16 +266,16 @@ def _phases(rank, world, mesh4, mesh2, tmp: Path, result: dict, record: Path) ->
     if rank >= 2:
         return
     # a rank killed in the middle of a save: the previous checkpoint stays
-    from te_serial.checkpoint import files
+    from te_serial.checkpoint import shards
     sd = sharded_state_dict(full, 2, rank, mesh2)
     if rank == 1:
         record.write_text(json.dumps(result))
-        write = files.ShardSet.write
+        write = shards.ShardSet.write
 
         def dying_write(self, *args, **kwargs):
             write(self, *args, **kwargs)
             os._exit(3)
-        files.ShardSet.write = dying_write
+        shards.ShardSet.write = dying_write
     result["killed"] = _expect_error(lambda: tdcp.save(sd, tmp / "ck4-killed", process_group=mesh2.get_group()))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import te_serial as ts
-from te_serial.checkpoint import direct_io, files
+from te_serial.checkpoint import direct_io, shards
 
 DISK = direct_io.FileSystem(1, "ext4", True)
 TMPFS = direct_io.FileSystem(2, "tmpfs", True)
@@ -66,12 +66,12 @@ def test_the_forced_settings(monkeypatch, setting, fs, want):
 
 def _count_direct_files(monkeypatch) -> list:
     made = []
-    real = files._DirectBlocks.__init__
+    real = shards._DirectBlocks.__init__
 
     def init(self, path):
         real(self, path)
         made.append(path)
-    monkeypatch.setattr(files._DirectBlocks, "__init__", init)
+    monkeypatch.setattr(shards._DirectBlocks, "__init__", init)
     return made
 
 
@@ -93,7 +93,7 @@ def _save_and_check(path: Path, sd) -> None:
 
 
 def test_a_checkpoint_that_fits_the_cache_is_written_buffered(tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
     made = _count_direct_files(monkeypatch)
     _save_and_check(tmp_path / "ckpt", _state())
     assert made == []
@@ -104,7 +104,7 @@ def test_a_large_checkpoint_on_a_disk_follows_the_probe(tmp_path, monkeypatch):
     (the whole blocks through O_DIRECT), buffered where not; the bytes are the same either way."""
     fs = direct_io.file_system(tmp_path)
     assert fs.fstype  # found in /proc/self/mountinfo
-    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)  # nothing fits
     made = _count_direct_files(monkeypatch)
     calls = []
@@ -134,7 +134,7 @@ def test_tmpfs_is_written_buffered_however_large(monkeypatch):
     try:
         fs = direct_io.file_system(work)
         assert fs.fstype == "tmpfs"
-        monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+        monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
         monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)
         monkeypatch.setattr(direct_io, "_direct_wins", lambda d: pytest.fail("probed a tmpfs"))
         made = _count_direct_files(monkeypatch)
@@ -169,7 +169,7 @@ def ext4_loop(tmp_path):
 def test_an_ext4_loop_mount(ext4_loop, monkeypatch):
     fs = direct_io.file_system(ext4_loop)
     assert fs.fstype == "ext4" and fs.direct and fs.device != os.stat(ext4_loop.parent).st_dev
-    monkeypatch.setattr(files, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
     made = _count_direct_files(monkeypatch)
     _save_and_check(ext4_loop / "small", _state())
     assert made == []  # fits the cache

@@ -27,6 +27,7 @@ import torch
 
 import te_serial as ts
 from te_serial.checkpoint import files
+from te_serial.checkpoint import header as st_header
 from te_serial.checkpoint.manifest import HEADER_KEY
 from te_serial.errors import CheckpointFileError, ManifestError, TeSerialError, TensorMismatchError
 
@@ -147,9 +148,9 @@ def test_the_column_check_agrees_with_the_entry_by_entry_check(seed):
 
     def fail(message, field=None):
         raise CheckpointFileError(message, field=field)
-    fast = files._entries_checked_by_columns(dict(header), data_len)
+    fast = st_header._entries_checked_by_columns(dict(header), data_len)
     try:
-        slow = files._entries_checked_one_by_one(dict(header), data_len, fail)
+        slow = st_header._entries_checked_one_by_one(dict(header), data_len, fail)
     except CheckpointFileError:
         slow = None
     if fast is not None:  # whatever the column check accepts, the entry check accepts the same way
@@ -196,29 +197,29 @@ def test_the_planned_header_is_what_json_dumps_gives(seed):
     items = [(rng.choice(_ODD_KEYS) + str(i), tuple(rng.choice([0, 1, 3, 32]) for _ in range(rng.randint(0, 3))),
               rng.choice(dtypes)) for i in range(rng.randint(0, 30))]
     meta = rng.choice([None, {"format": "pt"}, {"k\"ey": "välue"}])
-    planned = files.planned_header(items, meta)
+    planned = st_header.planned_header(items, meta)
     by_width = sorted(items, key=lambda it: -it[2].itemsize)
     entries, at = {}, 0
     for key, shape, dtype in by_width:
         n = int(torch.Size(shape).numel()) * dtype.itemsize
-        entries[key] = {"dtype": files.safetensors_code(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
+        entries[key] = {"dtype": st_header.safetensors_code(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
         at += n
     want = json.dumps(_header_of(entries, meta), separators=(",", ":")).encode()
     assert planned.raw.rstrip(b" ") == want and len(planned.raw) % 8 == 0 and planned.data_bytes == at
     assert {k: (e.dtype, e.shape, e.start, e.end) for k, e in planned.entries.items()} == \
-        {k: (files.dtype_from_code(v["dtype"]), tuple(v["shape"]), *v["data_offsets"]) for k, v in entries.items()}
+        {k: (st_header.dtype_from_code(v["dtype"]), tuple(v["shape"]), *v["data_offsets"]) for k, v in entries.items()}
 
 
 def test_a_repeated_key_has_no_planned_header():
-    assert files.planned_header([("a", (2,), torch.float32), ("a", (2,), torch.float32)], None) is None
+    assert st_header.planned_header([("a", (2,), torch.float32), ("a", (2,), torch.float32)], None) is None
 
 
 def test_a_shard_as_planned_skips_the_parse_and_another_valid_header_is_parsed(tmp_path, monkeypatch):
     sd = _many(tmp_path / "c", n=20, shard="1GB")
     shard = _shards(tmp_path / "c")[0]
     parsed = []
-    real = files._read_header
-    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
+    real = st_header._read_header
+    monkeypatch.setattr(st_header, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
     ckpt = ts.open(tmp_path / "c")
     for name, t in ckpt.load_tensors().items():
         assert_same_tensor(t, sd[name], name)
@@ -265,8 +266,8 @@ def _rewrite(path, text: bytes, data: bytes, *, room: int | None = None):
 def _count_parses_and_indexes(monkeypatch):
     """Paths whose header got the full parse, and how often the manifest's per-file index was built."""
     parsed, indexed = [], []
-    real_parse = files._read_header
-    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real_parse(*a))
+    real_parse = st_header._read_header
+    monkeypatch.setattr(st_header, "_read_header", lambda *a: parsed.append(a[1]) or real_parse(*a))
     from te_serial.checkpoint.manifest import Manifest
     real_index = Manifest.buffers_by_file
     monkeypatch.setattr(Manifest, "buffers_by_file", lambda self: indexed.append(1) or real_index(self))
@@ -418,9 +419,9 @@ def test_the_leading_metadata_is_what_a_parse_gives_or_none(key, value):
     """Read without a parse only where the header begins as te-serial writes it, the value plain
     printable ASCII; then it is the value the parse gives."""
     entries, _ = _valid_entries(random.Random(len(value)), 3)
-    planned = files.planned_header([(k, tuple(e["shape"]), files.dtype_from_code(e["dtype"]))
+    planned = st_header.planned_header([(k, tuple(e["shape"]), st_header.dtype_from_code(e["dtype"]))
                                     for k, e in entries.items()], {key: value})
-    got = files.leading_metadata(planned.raw, key)
+    got = st_header.leading_metadata(planned.raw, key)
     plain = all(0x20 <= ord(c) < 0x7F for c in value) and '"' not in value and "\\" not in value
     assert got == (value if plain else None)
     assert json.loads(planned.raw)["__metadata__"][key] == value
@@ -428,16 +429,16 @@ def test_the_leading_metadata_is_what_a_parse_gives_or_none(key, value):
               b" " + planned.raw,                                            # leading space
               json.dumps({"__metadata__": {key: value, "b": "c"}}, separators=(",", ":")).encode(),
               json.dumps({"a": 1, "__metadata__": {key: value}}, separators=(",", ":")).encode()]
-    assert [files.leading_metadata(raw, key) for raw in others] == [None] * 4
+    assert [st_header.leading_metadata(raw, key) for raw in others] == [None] * 4
 
 
 def test_a_planned_header_padded_with_spaces_is_compared_and_any_other_byte_parsed(tmp_path, monkeypatch):
     items = [("a", (2, 3), torch.float32), ("b", (5,), torch.bfloat16)]
-    planned = files.planned_header(items, {"k": "v"})
+    planned = st_header.planned_header(items, {"k": "v"})
     data = bytes(range(34))
     parsed = []
-    real = files._read_header
-    monkeypatch.setattr(files, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
+    real = st_header._read_header
+    monkeypatch.setattr(st_header, "_read_header", lambda *a: parsed.append(a[1]) or real(*a))
     for pad, as_planned in ((b"", True), (b" " * 16, True), (b"\t" + b" " * 7, False), (b"\n" * 8, False)):
         p = tmp_path / f"f{len(parsed)}{as_planned}.safetensors"
         raw = planned.raw + pad

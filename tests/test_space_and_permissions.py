@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 import te_serial as ts
-from te_serial.checkpoint import files
+from te_serial.checkpoint import fileops
 from te_serial.errors import CheckpointFileError, CheckpointWriteError, TeSerialError
 
 MIB = 1 << 20
@@ -75,7 +75,7 @@ def test_the_free_space_check_refuses_before_any_byte(old_checkpoint, monkeypatc
     msg = str(e.value)
     assert "not enough space" in msg and str(path) in msg and f"{3 * MIB:,}" in msg
     assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
-    assert not [w for w in writes if files.TMP_PREFIX in str(w)]  # not a byte written
+    assert not [w for w in writes if fileops.TMP_PREFIX in str(w)]  # not a byte written
     monkeypatch.undo()
     _assert_old_intact(path, old, before)
 
@@ -83,7 +83,7 @@ def test_the_free_space_check_refuses_before_any_byte(old_checkpoint, monkeypatc
 def test_the_check_can_be_skipped(old_checkpoint, monkeypatch):
     path, old, _ = old_checkpoint
     monkeypatch.setattr(os, "statvfs", lambda p: _Statvfs(0))
-    monkeypatch.setenv(files.SPACE_CHECK_ENV, "0")
+    monkeypatch.setenv(fileops.SPACE_CHECK_ENV, "0")
     new = _state(1, seed=2)
     ts.save_quantized(new, path)
     monkeypatch.undo()
@@ -193,7 +193,7 @@ def test_a_real_full_file_system(small_fs, monkeypatch):
     with pytest.raises(CheckpointWriteError, match="not enough space"):  # found before a byte
         ts.save_quantized(_state(1.5, seed=7), path)
     _assert_old_intact(path, old, before)
-    monkeypatch.setenv(files.SPACE_CHECK_ENV, "0")  # past the check: the kernel's ENOSPC midway
+    monkeypatch.setenv(fileops.SPACE_CHECK_ENV, "0")  # past the check: the kernel's ENOSPC midway
     with pytest.raises(CheckpointWriteError) as e:
         ts.save_quantized(_state(1.5, seed=7), path)
     assert e.value.errno == errno.ENOSPC

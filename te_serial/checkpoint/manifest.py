@@ -35,7 +35,7 @@ from ..formats.base import Quantizer
 from ..formats.slicing import region_views
 from ..proto import TensorProto, addressable
 from . import tree as tree_mod
-from .files import gc_paused
+from .header import gc_paused
 
 FORMAT = "te-serial"
 VERSION = (1, 5)

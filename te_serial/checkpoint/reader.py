@@ -33,8 +33,10 @@ from ..formats.tensors import QuantizedTensorStorage
 from ..formats.protocol import flatten_2d
 from ..formats.slicing import range_bounds, box_to_range, buffer_regions, slice_from_regions, storage_view
 from ..proto import TensorProto
-from .files import (SHARD_METADATA, PlannedHeader, SafetensorsFile, checksum, gc_paused, header_json,
-                    leading_metadata, open_regular, planned_header)
+from .fileops import open_regular
+from .files import SafetensorsFile, checksum
+from .header import (SHARD_METADATA, PlannedHeader, gc_paused, header_json, leading_metadata,
+                     planned_header)
 from .manifest import (HEADER_KEY, MANIFEST_NAME, MAX_MANIFEST_BYTES, PLAIN_BUFFER, SELF_FILE, Manifest,
                        expected_buffers, format_checksum, region_shapes)
 
@@ -124,7 +126,7 @@ class Checkpoint:
     def _open_single(self, strict: bool) -> None:
         """A single file: its manifest, read from the header's ``__metadata__``, and the file held.
 
-        Where the header begins as te-serial writes it (:func:`.files.leading_metadata`) and the
+        Where the header begins as te-serial writes it (:func:`.header.leading_metadata`) and the
         file's size is its header's plus the bytes the manifest describes, the manifest is taken
         from there without a parse, and the rest of the header is checked at the first read, as a
         directory's shards are (compared with the header the writer plans from the manifest, else
@@ -276,7 +278,7 @@ class Checkpoint:
 
     def _planned_header(self, name: str) -> PlannedHeader | None:
         """The header te-serial's writer gives a file holding the manifest's buffers of that file:
-        a shard's metadata is :data:`.files.SHARD_METADATA`, a single file's the manifest it carries."""
+        a shard's metadata is :data:`.header.SHARD_METADATA`, a single file's the manifest it carries."""
         return planned_header([(key, shape, dtype) for _, _, key, shape, dtype in self._wanted(name)],
                               self._self_metadata if name == SELF_FILE else SHARD_METADATA)
 

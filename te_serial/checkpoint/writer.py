@@ -1,6 +1,6 @@
 """Writing checkpoints: :class:`CheckpointWriter` (the one writer) and ``save_quantized`` over it.
 
-The files are planned from the prototypes before any byte is written (:class:`~.files.ShardSet`):
+The files are planned from the prototypes before any byte is written (:class:`~.shards.ShardSet`):
 every buffer's shard, offset and header entry follow from its prototype, so each tensor is
 streamed straight to its place and no more than one tensor's bytes are held beyond the caller's
 own (a device tensor's CPU copy, or a non-contiguous tensor's contiguous copy).
@@ -30,7 +30,9 @@ from ..formats.tensors import QuantizedTensorStorage
 from ..proto import TensorProto, to_tensor_proto
 from ..recipes import RECIPES, recipe_quantizer
 from ..te.interop import from_te, is_te_tensor
-from .files import SHARD_METADATA, TMP_PREFIX, ShardSet, atomic_write, clean_directory, fsync_path, writing
+from .fileops import TMP_PREFIX, atomic_write, clean_directory, fsync_path, writing
+from .header import SHARD_METADATA
+from .shards import ShardSet
 from .manifest import (HEADER_KEY, MANIFEST_NAME, PLAIN_BUFFER, SELF_FILE, VERSION, BufferEntry, Manifest,
                        TensorEntry, buffer_key, expected_buffers)
 from .tree import TensorRef, flatten_tree

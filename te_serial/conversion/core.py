@@ -22,7 +22,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
-from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, fsync_path, writing
+from ..checkpoint.fileops import atomic_write, fsync_path, writing
+from ..checkpoint.header import SHARD_METADATA
+from ..checkpoint.shards import ShardSet
 from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, without_te_serial_config, write_hf_files
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError

@@ -43,7 +43,8 @@ import torch
 from ..errors import (CheckpointError, CheckpointFileError, ConversionError, FormatError, ManifestError, ShapeError,
                       UnknownLayoutError, UnsupportedOperationError)
 from ..proto import TensorProto, to_tensor_proto
-from ..checkpoint.files import TMP_PREFIX, SafetensorsFile, release_pages
+from ..checkpoint.fileops import TMP_PREFIX
+from ..checkpoint.files import SafetensorsFile, release_pages
 from ..checkpoint.manifest import HEADER_KEY, MANIFEST_NAME
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.writer import SHARD_NAME

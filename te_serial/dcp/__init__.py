@@ -8,7 +8,7 @@ Thin wrappers over ``torch.distributed.checkpoint``: :func:`save`, :func:`async_
 How a sharded state dict is stored (a te-serial checkpoint, format 1.2, schema/README.md §13):
 
 * Every rank writes its own safetensors shard(s) through the one writer's file layer
-  (:class:`~te_serial.checkpoint.files.ShardSet`), named ``model-<save id>-<i>-of-<n>.safetensors``
+  (:class:`~te_serial.checkpoint.shards.ShardSet`), named ``model-<save id>-<i>-of-<n>.safetensors``
   with one save id the coordinator picks. The coordinator writes ``te_serial.msgpack``, the
   manifest, whose rename commits the checkpoint (as for single-process saves). DCP's own
   pickled ``.metadata`` is never written: the manifest holds DCP's global metadata (shapes,

@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..checkpoint.files import SHARD_METADATA, ShardSet, atomic_write, clean_directory, fsync_path, writing
+from ..checkpoint.fileops import atomic_write, clean_directory, fsync_path, writing
+from ..checkpoint.header import SHARD_METADATA
+from ..checkpoint.shards import ShardSet
 from ..checkpoint.manifest import MANIFEST_NAME, BufferEntry, Manifest, TensorEntry, buffer_key, chunk_key, \
     expected_buffers
 from ..checkpoint.reader import Checkpoint
