@@ -13,7 +13,7 @@ import torch
 from .. import numerics as nx
 from ..errors import FormatError
 from . import fused
-from .protocol import USAGES, UsageLayout, _first_buffer, flatten_2d
+from .protocol import USAGES, UsageLayout, first_buffer, flatten_2d
 from .tensors import QuantizedTensorStorage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,7 +191,7 @@ class QuantizeEngine:
         bad = self.refused_value(buffers)
         if bad is not None:
             raise FormatError(f"{self.layout_name()} tensor of shape {tuple(shape)}: buffer {bad[0]}: {bad[1]}")
-        device = _first_buffer(buffers).device
+        device = first_buffer(buffers).device
         if fused.wants_fused(math.prod(shape), device, self.fusable(), eager):
             m, k = flatten_2d(tuple(shape))
             (a, b), blocked = self.slice_alignment(), False

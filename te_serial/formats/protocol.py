@@ -136,7 +136,8 @@ def _encode_field(value: Any) -> Any:
     return dtype_name(value) if isinstance(value, torch.dtype) else value
 
 
-def _first_buffer(buffers: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+def first_buffer(buffers: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    """The first buffer that is present (a quantized tensor's device is its buffers')."""
     for b in buffers.values():
         if b is not None:
             return b

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..dtypes import dtype_name
 from ..errors import BufferMismatchError, FormatError, UnsupportedOperationError
-from .protocol import STORAGE_REGISTRY, StorageMeta, _first_buffer, resolve_storage
+from .protocol import STORAGE_REGISTRY, StorageMeta, first_buffer, resolve_storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Quantizer
@@ -102,7 +102,7 @@ class QuantizedTensorStorage:
 
     def __repr__(self) -> str:
         bufs = ", ".join(f"{n}={dtype_name(b.dtype)}{list(b.shape)}" for n, b in self.buffers().items())
-        device = _first_buffer(self.buffers()).device
+        device = first_buffer(self.buffers()).device
         return (f"{type(self).__name__}(shape={list(self._logical_shape)}, "
                 f"dtype={dtype_name(self._fake_dtype)}, device={device}, "
                 f"quantizer={self._quantizer!r}, {bufs})")
@@ -135,7 +135,7 @@ class QuantizedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, shape, fake_dtype: torch.dtype, quantizer: Quantizer, *,
                 requires_grad: bool = False, **buffers: torch.Tensor | None):
-        device = _first_buffer(buffers).device
+        device = first_buffer(buffers).device
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=fake_dtype, device=device,
                                                    requires_grad=requires_grad)
 

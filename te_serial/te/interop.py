@@ -27,7 +27,8 @@ class TransformerEngineUnavailable(TeSerialError, ImportError):
     """Transformer Engine (its PyTorch part) is not importable here."""
 
 
-def _te_module(name: str):
+def te_module(name: str):
+    """``transformer_engine.pytorch.<name>``, or :class:`TransformerEngineUnavailable` saying how to get it."""
     try:
         return importlib.import_module(f"transformer_engine.pytorch.{name}")
     except Exception as e:  # noqa: BLE001 - any import failure means: no usable TE
@@ -43,7 +44,7 @@ def _tex():
         raise TransformerEngineUnavailable(f"transformer_engine_torch is not importable: {e}") from None
 
 
-class _TE:
+class TEModules:
     """TE's modules and ``DType``, imported on first use (the adapters' :class:`TEContext`)."""
 
     def __init__(self) -> None:
@@ -51,7 +52,7 @@ class _TE:
 
     @staticmethod
     def module(name: str) -> Any:
-        return _te_module(name)
+        return te_module(name)
 
 
 def is_te_tensor(t: Any) -> bool:
@@ -88,7 +89,7 @@ def to_te(t: QuantizedTensorStorage) -> Any:
     if not isinstance(t, QuantizedTensorStorage):
         raise FormatError(f"to_te needs a te-serial quantized tensor, got {type(t).__name__}")
     q = t.quantizer
-    adapter, te = adapter_for(q), _TE()
+    adapter, te = adapter_for(q), TEModules()
     if hasattr(adapter, "to_te"):  # a class TE builds itself (GroupedTensor: formats/grouped.py)
         return adapter.to_te(t, te)
     b = t.buffers()

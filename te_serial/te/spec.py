@@ -31,7 +31,7 @@ from ..errors import FormatError
 from ..formats.base import Quantizer
 from ..formats.te_adapter import TE_QUANTIZER_ADAPTERS, adapter_for, find_te_adapter
 from ..proto import TensorProto
-from .interop import _te_module, _TE
+from .interop import TEModules, te_module
 
 
 def to_te_spec(proto: TensorProto) -> Any:
@@ -39,9 +39,9 @@ def to_te_spec(proto: TensorProto) -> Any:
     quantizer with the same fields (made by the format's TE adapter)."""
     if not isinstance(proto, TensorProto):
         raise FormatError(f"to_te_spec needs a TensorProto, got {type(proto).__name__}")
-    tensor_spec = _te_module("dynamo.tensor_spec")
+    tensor_spec = te_module("dynamo.tensor_spec")
     q = proto.quantizer
-    tq = None if q is None else adapter_for(q).te_quantizer(q, _TE())
+    tq = None if q is None else adapter_for(q).te_quantizer(q, TEModules())
     return tensor_spec.TensorSpec(shape=proto.shape, dtype=proto.dtype, quantizer=tq,
                                   requires_grad=proto.requires_grad, device=proto.device)
 
