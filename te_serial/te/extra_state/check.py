@@ -7,11 +7,11 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .errors import UnsafeExtraStateError, _short
+from .errors import UnsafeExtraStateError, short_repr
 from .limits import MAX_DEPTH, MAX_INT_BITS, ExtraStateBudget
-from .pickle_vm import _describe
-from .schema import (_RECIPE_ENUMS, _SCALAR_SET, _SCALARS, DELAYED_SCALING_KEYS, RECIPE_CLASSES,
-                     RECIPE_NAMEDTUPLES, _bad_field_name, _widest_int)
+from .pickle_vm import describe
+from .schema import (DELAYED_SCALING_KEYS, RECIPE_CLASSES, RECIPE_ENUMS, RECIPE_NAMEDTUPLES, SCALARS, SCALAR_SET,
+                     bad_field_name, widest_int)
 
 
 def _path(link: Any) -> str:
@@ -37,19 +37,19 @@ class _Checker:
 
     def state(self, state: Any) -> None:
         if type(state) is not dict:
-            raise self.fail(f"extra state is a {_describe(state)}, expected a dict or None")
+            raise self.fail(f"extra state is a {describe(state)}, expected a dict or None")
         for k in state:
             if type(k) is not str:
-                raise self.fail(f"extra state key {_short(k)} is not a str")
+                raise self.fail(f"extra state key {short_repr(k)} is not a str")
         recipe = state.get("recipe")
         if recipe is not None and not (type(recipe) is dict and len(recipe) == 2
                                        and type(recipe.get("__class__")) is str
                                        and recipe["__class__"] in RECIPE_CLASSES
                                        and "fields" in recipe):
-            raise self.fail(f"extra state 'recipe' is not a recipe object: {_short(recipe)}")
+            raise self.fail(f"extra state 'recipe' is not a recipe object: {short_repr(recipe)}")
         for k in DELAYED_SCALING_KEYS:
             if k in state and not isinstance(state[k], self.tensor_type):
-                raise self.fail(f"extra state entry {k!r} is a {_describe(state[k])}, expected a "
+                raise self.fail(f"extra state entry {k!r} is a {describe(state[k])}, expected a "
                                 "tensor")
         if "extra_fp8_variables" in state and type(state["extra_fp8_variables"]) is not dict:
             raise self.fail("extra state 'extra_fp8_variables' is not a dict")
@@ -63,7 +63,7 @@ class _Checker:
             if budget.work > budget.max_work:
                 raise budget.exhausted(self.where)
         t = type(v)
-        if t in _SCALAR_SET:
+        if t in SCALAR_SET:
             if t is int and v.bit_length() > MAX_INT_BITS:
                 raise self.fail(f"integer at {_path(path)!r} is wider than {MAX_INT_BITS} bits")
             return
@@ -75,12 +75,12 @@ class _Checker:
             self.tensors.append(v)
             return
         if t is list or t is tuple:
-            if _SCALAR_SET.issuperset(map(type, v)):  # the common (and the bomb's) case, at C speed
+            if SCALAR_SET.issuperset(map(type, v)):  # the common (and the bomb's) case, at C speed
                 if budget is not None:
                     budget.work += len(v)
                     if budget.work > budget.max_work:
                         raise budget.exhausted(self.where)
-                if _widest_int(v) > MAX_INT_BITS:
+                if widest_int(v) > MAX_INT_BITS:
                     raise self.fail(f"integer in {_path(path)!r} is wider than {MAX_INT_BITS} bits")
                 return
             for i, x in enumerate(v):
@@ -91,35 +91,35 @@ class _Checker:
                 return self.recipe_object(v["__class__"], v["fields"], path, depth)
             if len(v) == 2 and "__enum__" in v and "name" in v:
                 cls, name = v["__enum__"], v["name"]
-                if type(cls) is not str or cls not in _RECIPE_ENUMS or type(name) is not str \
-                        or name not in _RECIPE_ENUMS[cls].values():
-                    raise self.fail(f"unknown recipe enum member {_short(cls)}.{_short(name)} at "
+                if type(cls) is not str or cls not in RECIPE_ENUMS or type(name) is not str \
+                        or name not in RECIPE_ENUMS[cls].values():
+                    raise self.fail(f"unknown recipe enum member {short_repr(cls)}.{short_repr(name)} at "
                                     f"{_path(path)!r}")
                 return None
             for k, x in v.items():
                 if type(k) is not str and type(k) is not int:
-                    raise self.fail(f"dict key {_short(k)} at {_path(path)!r} (only str and int keys)")
+                    raise self.fail(f"dict key {short_repr(k)} at {_path(path)!r} (only str and int keys)")
                 self.value(x, (path, k), depth + 1, in_recipe)
             return None
-        raise self.fail(f"a {_describe(v)} at {_path(path)!r} (extra state holds only plain values, "
+        raise self.fail(f"a {describe(v)} at {_path(path)!r} (extra state holds only plain values, "
                         "recipe objects and tensors)")
 
     def recipe_object(self, cls: Any, fields: Any, path: Any, depth: int) -> None:
         if type(cls) is not str or (cls not in RECIPE_CLASSES and cls not in RECIPE_NAMEDTUPLES):
-            raise self.fail(f"unknown recipe class {_short(cls)} at {_path(path)!r}")
+            raise self.fail(f"unknown recipe class {short_repr(cls)} at {_path(path)!r}")
         if type(fields) is not dict:
-            raise self.fail(f"recipe {cls} at {_path(path)!r}: 'fields' is a {_describe(fields)}, "
+            raise self.fail(f"recipe {cls} at {_path(path)!r}: 'fields' is a {describe(fields)}, "
                             "not a map")
         if cls in RECIPE_NAMEDTUPLES:
             names = RECIPE_NAMEDTUPLES[cls]
-            if tuple(fields) != names or not all(type(x) in _SCALARS for x in fields.values()):
+            if tuple(fields) != names or not all(type(x) in SCALARS for x in fields.values()):
                 raise self.fail(f"{cls} at {_path(path)!r} must have the scalar fields {names}")
             for k, x in fields.items():
                 self.value(x, (path, k), depth + 1, True)
             return
         for k, x in fields.items():
-            if _bad_field_name(k):
-                raise self.fail(f"recipe {cls} at {_path(path)!r} has field name {_short(k)} "
+            if bad_field_name(k):
+                raise self.fail(f"recipe {cls} at {_path(path)!r} has field name {short_repr(k)} "
                                 "(recipe fields are identifiers, never dunder names)")
             self.value(x, (path, k), depth + 1, True)
 

@@ -10,13 +10,12 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .check import check_extra_state
-from .containers import (_LEGACY_PREFIX, _load_storage_from_bytes, _parse_legacy_torch_save,
-                         _parse_zip_torch_save)
-from .errors import UnsafeExtraStateError, _error, _short
+from .containers import LEGACY_PREFIX, load_storage_from_bytes, parse_legacy_torch_save, parse_zip_torch_save
+from .errors import UnsafeExtraStateError, short_repr, unsafe_error
 from .limits import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_WORK, ExtraStateBudget
-from .pickle_vm import _Ctx, _describe, _Machine
-from .plain import _Plainer
-from .schema import _KNOWN_RECIPE_POLICIES, _STATELESS_RECIPES, DELAYED_SCALING_KEYS, RECIPE_MODULE
+from .pickle_vm import Ctx, Machine, describe
+from .plain import Plainer
+from .schema import DELAYED_SCALING_KEYS, KNOWN_RECIPE_POLICIES, RECIPE_MODULE, STATELESS_RECIPES
 
 
 def _payload(value: Any, where: Optional[str]) -> Tuple[bytes, str]:
@@ -25,21 +24,21 @@ def _payload(value: Any, where: Optional[str]) -> Tuple[bytes, str]:
         if value.numel() == 0:
             return b"", "pickle"
         if value.dtype != torch.uint8:
-            raise _error(f"extra state tensor has dtype {value.dtype}, expected torch.uint8", where)
+            raise unsafe_error(f"extra state tensor has dtype {value.dtype}, expected torch.uint8", where)
         if value.numel() > MAX_PAYLOAD_BYTES:
-            raise _error(f"extra state of {value.numel()} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+            raise unsafe_error(f"extra state of {value.numel()} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
         if value.device.type == "meta":
-            raise _error("extra state tensor is on the meta device (it has no bytes to decode)",
+            raise unsafe_error("extra state tensor is on the meta device (it has no bytes to decode)",
                          where)
         if value.layout != torch.strided:
-            raise _error(f"extra state tensor has layout {value.layout}", where)
+            raise unsafe_error(f"extra state tensor has layout {value.layout}", where)
         flat = value.detach().to("cpu").contiguous().reshape(-1)
         return flat.numpy().tobytes(), "pickle"
     if isinstance(value, io.BytesIO):
         data = value.getbuffer()
         try:
             if len(data) > MAX_PAYLOAD_BYTES:
-                raise _error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+                raise unsafe_error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
             return bytes(data), "torch.save"
         finally:
             data.release()
@@ -47,31 +46,31 @@ def _payload(value: Any, where: Optional[str]) -> Tuple[bytes, str]:
         if isinstance(value, memoryview) and (value.ndim != 1 or value.itemsize != 1):
             value = value.cast("B") if value.c_contiguous else value.tobytes()
         if len(value) > MAX_PAYLOAD_BYTES:
-            raise _error(f"extra state of {len(value)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+            raise unsafe_error(f"extra state of {len(value)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
         data = bytes(value)
-        if data.startswith(b"PK\x03\x04") or data.startswith(_LEGACY_PREFIX):
+        if data.startswith(b"PK\x03\x04") or data.startswith(LEGACY_PREFIX):
             return data, "torch.save"
         return data, "pickle"
-    raise _error(f"unsupported extra state type {type(value).__name__} (expected a uint8 tensor, "
+    raise unsafe_error(f"unsupported extra state type {type(value).__name__} (expected a uint8 tensor, "
                  "io.BytesIO or bytes)", where)
 
 
-def _decode_raw(data: bytes, kind: str, ctx: _Ctx) -> Any:
+def _decode_raw(data: bytes, kind: str, ctx: Ctx) -> Any:
     where = ctx.where
     if len(data) > MAX_PAYLOAD_BYTES:
-        raise _error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
+        raise unsafe_error(f"extra state of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", where)
     if kind == "torch.save":
         if data.startswith(b"PK\x03\x04"):
-            return _parse_zip_torch_save(data, ctx)
-        if data.startswith(_LEGACY_PREFIX):
-            return _parse_legacy_torch_save(data, ctx, expect_storage=False,
+            return parse_zip_torch_save(data, ctx)
+        if data.startswith(LEGACY_PREFIX):
+            return parse_legacy_torch_save(data, ctx, expect_storage=False,
                                             context="legacy torch.save payload")
-        raise _error("io.BytesIO extra state is neither a zip nor a legacy torch.save payload",
+        raise unsafe_error("io.BytesIO extra state is neither a zip nor a legacy torch.save payload",
                      where)
     f = io.BytesIO(data)
-    obj = _Machine("pickle", ctx, load_from_bytes=_load_storage_from_bytes).run(f)
+    obj = Machine("pickle", ctx, load_from_bytes=load_storage_from_bytes).run(f)
     if f.tell() != len(data):
-        raise _error(f"{len(data) - f.tell()} trailing bytes after the pickle's STOP", where)
+        raise unsafe_error(f"{len(data) - f.tell()} trailing bytes after the pickle's STOP", where)
     return obj
 
 
@@ -96,7 +95,7 @@ def decode_te_extra_state(value: Any, *, where: Optional[str] = None,
         return None
     if budget is None:
         budget = ExtraStateBudget(len(data))
-    ctx = _Ctx(where, budget)
+    ctx = Ctx(where, budget)
     saved_max = budget.max_work  # one payload also gets at most MAX_PAYLOAD_WORK of it
     budget.max_work = min(saved_max, budget.work + MAX_PAYLOAD_WORK)
     try:
@@ -105,10 +104,10 @@ def decode_te_extra_state(value: Any, *, where: Optional[str] = None,
         if obj is None:
             return None
         if type(obj) is not dict:
-            raise _error(f"extra state is a {_describe(obj)}, expected a dict", where)
+            raise unsafe_error(f"extra state is a {describe(obj)}, expected a dict", where)
         if not all(type(k) is str for k in obj):
-            raise _error("extra state dict has non-str keys", where)
-        plain = _Plainer(ctx).convert(obj)
+            raise unsafe_error("extra state dict has non-str keys", where)
+        plain = Plainer(ctx).convert(obj)
         out = {"recipe": plain.get("recipe")}
         out.update((k, v) for k, v in plain.items() if k != "recipe")
         check_extra_state(out, where=where)
@@ -116,11 +115,11 @@ def decode_te_extra_state(value: Any, *, where: Optional[str] = None,
     except UnsafeExtraStateError:
         raise
     except RecursionError:
-        raise _error("a value nested too deeply", where) from None
+        raise unsafe_error("a value nested too deeply", where) from None
     except MemoryError:
-        raise _error("a value too large to decode", where) from None
+        raise unsafe_error("a value too large to decode", where) from None
     except Exception as exc:  # pylint: disable=broad-except  # a bug here must not escape as-is
-        raise _error(f"undecodable payload: {type(exc).__name__}: {_short(str(exc))}",
+        raise unsafe_error(f"undecodable payload: {type(exc).__name__}: {short_repr(str(exc))}",
                      where) from exc
     finally:
         budget.max_work = saved_max
@@ -161,7 +160,7 @@ def _classify_like_te(data: bytes) -> bool:
                 ref = (strings[-2], strings[-1]) if len(strings) >= 2 else None
             else:
                 continue
-            if ref is not None and ref[0] == RECIPE_MODULE and ref[1] in _KNOWN_RECIPE_POLICIES:
+            if ref is not None and ref[0] == RECIPE_MODULE and ref[1] in KNOWN_RECIPE_POLICIES:
                 policies.add("delayed" if ref[1] == "DelayedScaling" else
                              "dynamic" if ref[1] == "CustomRecipe" else "stateless")
     except Exception:  # pylint: disable=broad-except  # TE: unparsable → unsafe load
@@ -195,4 +194,4 @@ def is_stateless_extra_state(value: Any) -> bool:
         return True
     recipe = state.get("recipe")
     return not any(k in state for k in DELAYED_SCALING_KEYS) and recipe is not None and \
-        recipe.get("__class__") in _STATELESS_RECIPES
+        recipe.get("__class__") in STATELESS_RECIPES

@@ -11,10 +11,10 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ...errors import UnsupportedValueError
-from .errors import TEUnavailableError, _short
+from .errors import TEUnavailableError, short_repr
 from .limits import MAX_DEPTH, MAX_INT_BITS, MAX_PAYLOAD_BYTES, MAX_STORAGE_BYTES, ExtraStateBudget
-from .schema import (_RECIPE_ENUMS, _SCALAR_SET, _SCALARS, _STORAGE_DTYPES, RECIPE_CLASSES,
-                     RECIPE_MODULE, RECIPE_NAMEDTUPLES, _bad_field_name, _widest_int)
+from .schema import (RECIPE_CLASSES, RECIPE_ENUMS, RECIPE_MODULE, RECIPE_NAMEDTUPLES, SCALARS, SCALAR_SET,
+                     STORAGE_DTYPES, bad_field_name, widest_int)
 
 
 def _recipe_module():
@@ -35,11 +35,11 @@ def recipe_to_plain(obj: Any, *, _depth: int = 0) -> Any:
     if _depth > MAX_DEPTH:
         raise UnsupportedValueError(f"recipe value nested deeper than {MAX_DEPTH} levels")
     cls = type(obj)
-    if type(obj) in _SCALARS:
+    if type(obj) in SCALARS:
         return obj
     if cls.__module__ == RECIPE_MODULE:
         name = cls.__qualname__
-        if name in _RECIPE_ENUMS:
+        if name in RECIPE_ENUMS:
             return {"__enum__": name, "name": obj.name}
         if name in RECIPE_NAMEDTUPLES:
             return {"__class__": name, "fields": dict(zip(RECIPE_NAMEDTUPLES[name], obj))}
@@ -83,7 +83,7 @@ class _Realizer:
             budget.work += 1
             if budget.work > budget.max_work:
                 raise budget.exhausted(self.where)
-        if type(v) in _SCALARS:
+        if type(v) in SCALARS:
             if type(v) is int and v.bit_length() > MAX_INT_BITS:
                 raise UnsupportedValueError(f"integer at {path!r} is wider than {MAX_INT_BITS} bits",
                                             tensor=self.where)
@@ -109,7 +109,7 @@ class _Realizer:
                 raise UnsupportedValueError(f"tensor at {path!r} is on the meta device: TE's extra state holds "
                                             "the tensors' bytes, and a meta tensor has none (load or materialize "
                                             "it first)", tensor=self.where, field=path)
-            if v.dtype not in _STORAGE_DTYPES.values():
+            if v.dtype not in STORAGE_DTYPES.values():
                 raise UnsupportedValueError(f"tensor at {path!r} has dtype {v.dtype}",
                                             tensor=self.where, field=path)
             nbytes = v.numel() * v.element_size()
@@ -123,10 +123,10 @@ class _Realizer:
             dst = torch.empty_like(src, device="cpu")  # what TE's to_cpu does
             dst.copy_(src)
             return dst
-        if (t is list or t is tuple) and _SCALAR_SET.issuperset(map(type, v)):
+        if (t is list or t is tuple) and SCALAR_SET.issuperset(map(type, v)):
             if self.budget is not None:
                 self.budget.spend(len(v), self.where)
-            if _widest_int(v) > MAX_INT_BITS:
+            if widest_int(v) > MAX_INT_BITS:
                 raise UnsupportedValueError(f"integer in {path!r} is wider than {MAX_INT_BITS} bits",
                                             tensor=self.where)
             return list(v) if t is list else v
@@ -142,7 +142,7 @@ class _Realizer:
             out = {}
             for k, x in v.items():
                 if type(k) is not str and type(k) is not int:
-                    raise UnsupportedValueError(f"dict key {_short(k)} at {path!r}: only str and "
+                    raise UnsupportedValueError(f"dict key {short_repr(k)} at {path!r}: only str and "
                                                 "int keys are stored", tensor=self.where)
                 out[k] = self.real(x, f"{path}.{k}", depth + 1)
             return out
@@ -152,9 +152,9 @@ class _Realizer:
                                     "cannot be written as TE extra state", tensor=self.where)
 
     def enum(self, cls: Any, name: Any, path: str) -> Any:
-        if type(cls) is not str or cls not in _RECIPE_ENUMS or type(name) is not str \
-                or name not in _RECIPE_ENUMS[cls].values():
-            raise UnsupportedValueError(f"unknown recipe enum {_short(cls)}.{_short(name)} at "
+        if type(cls) is not str or cls not in RECIPE_ENUMS or type(name) is not str \
+                or name not in RECIPE_ENUMS[cls].values():
+            raise UnsupportedValueError(f"unknown recipe enum {short_repr(cls)}.{short_repr(name)} at "
                                         f"{path!r}", tensor=self.where)
         try:
             return getattr(self.module(), cls)[name]
@@ -165,9 +165,9 @@ class _Realizer:
 
     def recipe(self, cls: Any, fields: Any, path: str, depth: int) -> Any:
         if type(cls) is not str or (cls not in RECIPE_CLASSES and cls not in RECIPE_NAMEDTUPLES):
-            raise UnsupportedValueError(f"unknown recipe class {_short(cls)} at {path!r}",
+            raise UnsupportedValueError(f"unknown recipe class {short_repr(cls)} at {path!r}",
                                         tensor=self.where)
-        if type(fields) is not dict or any(_bad_field_name(k) for k in fields):
+        if type(fields) is not dict or any(bad_field_name(k) for k in fields):
             raise UnsupportedValueError(f"recipe {cls} at {path!r}: 'fields' must map identifiers "
                                         "(never dunder names) to values", tensor=self.where)
         real_cls = getattr(self.module(), cls, None)
@@ -184,7 +184,7 @@ class _Realizer:
                 return real_cls(**vals)
             except Exception as exc:  # pylint: disable=broad-except  # TE's own code
                 raise TEUnavailableError(f"the installed TE's {cls} refuses the values at "
-                                         f"{path!r}: {type(exc).__name__}: {_short(str(exc))}",
+                                         f"{path!r}: {type(exc).__name__}: {short_repr(str(exc))}",
                                          tensor=self.where) from None
         try:
             obj = real_cls.__new__(real_cls)  # exactly what unpickling does: NEWOBJ, then BUILD
@@ -197,7 +197,7 @@ class _Realizer:
                     inst_dict[sys.intern(k)] = x
         except Exception as exc:  # pylint: disable=broad-except  # TE's own code
             raise TEUnavailableError(f"the installed TE's {cls} cannot be rebuilt from the fields "
-                                     f"at {path!r}: {type(exc).__name__}: {_short(str(exc))}",
+                                     f"at {path!r}: {type(exc).__name__}: {short_repr(str(exc))}",
                                      tensor=self.where) from None
         return obj
 
@@ -226,7 +226,7 @@ def encode_te_extra_state(state: Optional[dict], *, where: Optional[str] = None,
     try:
         for k, v in state.items():
             if type(k) is not str:
-                raise UnsupportedValueError(f"TE extra state key {_short(k)} is not a str", tensor=where)
+                raise UnsupportedValueError(f"TE extra state key {short_repr(k)} is not a str", tensor=where)
             if k == "recipe" and v is None:
                 continue
             real[k] = realizer.real(v, k)
@@ -236,7 +236,7 @@ def encode_te_extra_state(state: Optional[dict], *, where: Optional[str] = None,
         payload = pickle.dumps(real)
     except Exception as exc:  # pylint: disable=broad-except  # the installed TE's classes pickle themselves
         raise TEUnavailableError(f"pickling TE extra state with the installed Transformer Engine "
-                                 f"failed: {type(exc).__name__}: {_short(str(exc))}",
+                                 f"failed: {type(exc).__name__}: {short_repr(str(exc))}",
                                  tensor=where) from None
     del real
     if len(payload) > MAX_PAYLOAD_BYTES:

@@ -36,7 +36,7 @@ class _ShortRepr(reprlib.Repr):
 _SHORT = _ShortRepr()
 
 
-def _short(obj: Any) -> str:
+def short_repr(obj: Any) -> str:
     """A bounded repr for error messages (a hostile value may be megabytes long)."""
     try:
         return _SHORT.repr(obj)
@@ -44,5 +44,5 @@ def _short(obj: Any) -> str:
         return f"<{type(obj).__name__}>"
 
 
-def _error(msg: str, where: Optional[str]) -> UnsafeExtraStateError:
+def unsafe_error(msg: str, where: Optional[str]) -> UnsafeExtraStateError:
     return UnsafeExtraStateError(f"TE extra state: {msg}", tensor=where)

@@ -9,16 +9,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .errors import UnsafeExtraStateError, _short
+from .errors import UnsafeExtraStateError, short_repr
 from .limits import MAX_INT_BITS, MAX_MARKS, MAX_MEMO, MAX_NDIM, MAX_STACK, ExtraStateBudget
-from .schema import (_RECIPE_ENUMS, _SCALARS, _STORAGE_DTYPES, RECIPE_CLASSES, RECIPE_MODULE,
-                     RECIPE_NAMEDTUPLES, _bad_field_name)
+from .schema import (RECIPE_CLASSES, RECIPE_ENUMS, RECIPE_MODULE, RECIPE_NAMEDTUPLES, SCALARS, STORAGE_DTYPES,
+                     bad_field_name)
 
 
 # --------------------------------------------------------------------------- inert markers
 
 
-class _Global:
+class Global:
     """An allowed global, never imported: just what it names and what it may be used for."""
 
     __slots__ = ("module", "name", "kind")
@@ -30,7 +30,7 @@ class _Global:
         return f"{self.module}.{self.name}"
 
 
-class _RecipeObj:
+class RecipeObj:
     """``NEWOBJ(recipe_cls, ())`` then ``BUILD(state)``: the class name and its instance dict."""
 
     __slots__ = ("cls", "fields")
@@ -39,14 +39,14 @@ class _RecipeObj:
         self.cls, self.fields = cls, None
 
 
-class _NamedTupleObj:
+class NamedTupleObj:
     __slots__ = ("cls", "values")
 
     def __init__(self, cls: str, values: tuple) -> None:
         self.cls, self.values = cls, values
 
 
-class _EnumMember:
+class EnumMember:
     __slots__ = ("cls", "name")
 
     def __init__(self, cls: str, name: str) -> None:
@@ -59,7 +59,7 @@ class _EmptyHooks:
     __slots__ = ()
 
 
-class _Storage:
+class Storage:
     __slots__ = ("dtype", "key", "location", "numel", "data")
 
     def __init__(self, dtype: torch.dtype, key: str, location: str, numel: int) -> None:
@@ -67,7 +67,7 @@ class _Storage:
         self.data: Optional[bytes] = None
 
 
-class _TensorSpec:
+class TensorSpecObj:
     __slots__ = ("storage", "offset", "size", "stride", "requires_grad")
 
     def __init__(self, storage, offset, size, stride, requires_grad) -> None:
@@ -75,27 +75,27 @@ class _TensorSpec:
         self.stride, self.requires_grad = stride, requires_grad
 
 
-def _elsize(dtype: torch.dtype) -> int:
+def elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _describe(obj: Any) -> str:
-    if isinstance(obj, _Global):
+def describe(obj: Any) -> str:
+    if isinstance(obj, Global):
         return f"global {obj!r}"
-    if isinstance(obj, (_RecipeObj, _NamedTupleObj)):
+    if isinstance(obj, (RecipeObj, NamedTupleObj)):
         return f"{RECIPE_MODULE}.{obj.cls} object"
-    if isinstance(obj, _EnumMember):
+    if isinstance(obj, EnumMember):
         return f"{RECIPE_MODULE}.{obj.cls}.{obj.name}"
-    if isinstance(obj, _Storage):
+    if isinstance(obj, Storage):
         return "torch storage"
-    if isinstance(obj, _TensorSpec):
+    if isinstance(obj, TensorSpecObj):
         return "tensor"
     if isinstance(obj, _EmptyHooks):
         return "collections.OrderedDict object"
     return type(obj).__name__
 
 
-class _Ctx:
+class Ctx:
     """One decode: where to name in errors, the budget, and storages already turned into tensors."""
 
     __slots__ = ("where", "budget", "bases", "handed_out")
@@ -109,7 +109,7 @@ class _Ctx:
 # --------------------------------------------------------------------------- the stack machine
 
 
-class _Machine:
+class Machine:
     """Interprets one pickle with ``pickletools.genops``; knows only what TE's payloads contain.
 
     ``persistent_load`` is set only inside ``torch.save`` payloads (it also enables the
@@ -119,9 +119,9 @@ class _Machine:
     level deep at most). Every opcode spends one unit of the decode's budget.
     """
 
-    def __init__(self, context: str, ctx: _Ctx, *,
+    def __init__(self, context: str, ctx: Ctx, *,
                  persistent_load: Optional[Callable[[Any, int], Any]] = None,
-                 load_from_bytes: Optional[Callable[[bytes, _Ctx], Any]] = None) -> None:
+                 load_from_bytes: Optional[Callable[[bytes, Ctx], Any]] = None) -> None:
         self.context, self.ctx, self.where = context, ctx, ctx.where
         self.persistent_load = persistent_load
         self.load_from_bytes = load_from_bytes
@@ -183,7 +183,7 @@ class _Machine:
         except Exception as exc:  # genops: truncated data, bad lengths, bad UTF-8 ...
             raise UnsafeExtraStateError(
                 f"TE extra state ({self.context}): malformed pickle near byte {self.pos}: "
-                f"{type(exc).__name__}: {_short(str(exc))}", tensor=self.where) from None
+                f"{type(exc).__name__}: {short_repr(str(exc))}", tensor=self.where) from None
         raise self.refuse("a pickle without STOP")
 
     # -- opcode handlers
@@ -267,7 +267,7 @@ class _Machine:
     def _list_target(self) -> list:
         target = self.top()
         if type(target) is not list:
-            raise self.refuse(f"APPEND to a {_describe(target)}")
+            raise self.refuse(f"APPEND to a {describe(target)}")
         return target
 
     def op_append(self, arg):
@@ -280,7 +280,7 @@ class _Machine:
 
     def set_item(self, d: Any, key: Any, value: Any) -> None:
         if type(d) is not dict:
-            raise self.refuse(f"SETITEM on a {_describe(d)}")
+            raise self.refuse(f"SETITEM on a {describe(d)}")
         _check_key(key, self.refuse)
         d[key] = value
 
@@ -300,7 +300,7 @@ class _Machine:
         if len(self.memo) >= MAX_MEMO and arg not in self.memo:
             raise self.refuse(f"more than {MAX_MEMO} memo entries")
         if not isinstance(arg, int) or arg < 0:
-            raise self.refuse(f"memo index {_short(arg)}")
+            raise self.refuse(f"memo index {short_repr(arg)}")
         self.memo[arg] = self.top()
 
     def op_memoize(self, arg):
@@ -310,12 +310,12 @@ class _Machine:
         try:
             self.push(self.memo[arg])
         except (KeyError, TypeError):
-            raise self.refuse(f"a read of unset memo entry {_short(arg)}") from None
+            raise self.refuse(f"a read of unset memo entry {short_repr(arg)}") from None
 
     def op_global(self, arg):
         parts = arg.split(" ") if isinstance(arg, str) else []
         if len(parts) != 2:
-            raise self.refuse(f"GLOBAL {_short(arg)}")
+            raise self.refuse(f"GLOBAL {short_repr(arg)}")
         self.push(self.resolve(parts[0], parts[1]))
 
     def op_stack_global(self, arg):
@@ -335,16 +335,16 @@ class _Machine:
     def op_build(self, arg):
         state = self.pop()
         inst = self.top()
-        if not isinstance(inst, _RecipeObj):
-            raise self.refuse(f"BUILD of a {_describe(inst)}")
+        if not isinstance(inst, RecipeObj):
+            raise self.refuse(f"BUILD of a {describe(inst)}")
         if inst.fields is not None:
-            raise self.refuse(f"a second BUILD of {_describe(inst)}")
+            raise self.refuse(f"a second BUILD of {describe(inst)}")
         if type(state) is not dict:
-            raise self.refuse(f"BUILD of {_describe(inst)} with a {_describe(state)} state "
+            raise self.refuse(f"BUILD of {describe(inst)} with a {describe(state)} state "
                               "(only an instance dict with str keys is accepted)")
-        bad = [k for k in state if _bad_field_name(k)]
+        bad = [k for k in state if bad_field_name(k)]
         if bad:
-            raise self.refuse(f"BUILD of {_describe(inst)} with field name {_short(bad[0])} "
+            raise self.refuse(f"BUILD of {describe(inst)} with field name {short_repr(bad[0])} "
                               "(recipe fields are identifiers, never dunder names)")
         inst.fields = state
 
@@ -355,30 +355,30 @@ class _Machine:
         self.push(self.persistent_load(pid, self.pos))
 
     # -- the only "calls" we understand
-    def resolve(self, module: str, name: str) -> _Global:
+    def resolve(self, module: str, name: str) -> Global:
         qual = f"{module}.{name}"
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _Global(module, name, "rebuild_tensor")
+            return Global(module, name, "rebuild_tensor")
         if module == "torch.storage" and name == "_load_from_bytes" and self.load_from_bytes is not None:
-            return _Global(module, name, "load_from_bytes")
+            return Global(module, name, "load_from_bytes")
         if module == "collections" and name == "OrderedDict":
-            return _Global(module, name, "ordered_dict")
-        if module == "torch" and name in _STORAGE_DTYPES and self.persistent_load is not None:
-            return _Global(module, name, "storage_type")
+            return Global(module, name, "ordered_dict")
+        if module == "torch" and name in STORAGE_DTYPES and self.persistent_load is not None:
+            return Global(module, name, "storage_type")
         if module == RECIPE_MODULE:
             if name in RECIPE_CLASSES:
-                return _Global(module, name, "recipe_class")
+                return Global(module, name, "recipe_class")
             if name in RECIPE_NAMEDTUPLES:
-                return _Global(module, name, "namedtuple")
-            if name in _RECIPE_ENUMS:
-                return _Global(module, name, "enum")
-        raise self.refuse(f"GLOBAL {_short(qual)}")
+                return Global(module, name, "namedtuple")
+            if name in RECIPE_ENUMS:
+                return Global(module, name, "enum")
+        raise self.refuse(f"GLOBAL {short_repr(qual)}")
 
     def call(self, func: Any, args: Any) -> Any:
-        if not isinstance(func, _Global):
-            raise self.refuse(f"REDUCE of a {_describe(func)}")
+        if not isinstance(func, Global):
+            raise self.refuse(f"REDUCE of a {describe(func)}")
         if type(args) is not tuple:
-            raise self.refuse(f"REDUCE of {func!r} with a {_describe(args)} argument")
+            raise self.refuse(f"REDUCE of {func!r} with a {describe(args)} argument")
         kind = func.kind
         if kind == "ordered_dict":
             if args:
@@ -395,96 +395,96 @@ class _Machine:
         raise self.refuse(f"REDUCE of {func!r}")
 
     def new(self, cls: Any, args: Any) -> Any:
-        if not isinstance(cls, _Global) or type(args) is not tuple:
-            raise self.refuse(f"NEWOBJ of a {_describe(cls)}")
+        if not isinstance(cls, Global) or type(args) is not tuple:
+            raise self.refuse(f"NEWOBJ of a {describe(cls)}")
         if cls.kind == "recipe_class":
             if args:
                 raise self.refuse(f"NEWOBJ of {cls!r} with constructor arguments")
-            return _RecipeObj(cls.name)
+            return RecipeObj(cls.name)
         if cls.kind == "namedtuple":
             fields = RECIPE_NAMEDTUPLES[cls.name]
-            if len(args) != len(fields) or not all(type(a) in _SCALARS for a in args):
+            if len(args) != len(fields) or not all(type(a) in SCALARS for a in args):
                 raise self.refuse(f"NEWOBJ of {cls!r} with arguments other than "
                                   f"{len(fields)} scalars")
-            return _NamedTupleObj(cls.name, args)
+            return NamedTupleObj(cls.name, args)
         raise self.refuse(f"NEWOBJ of {cls!r}")
 
-    def enum_member(self, cls: str, args: tuple) -> _EnumMember:
+    def enum_member(self, cls: str, args: tuple) -> EnumMember:
         if len(args) == 1:
             value = args[0]
-            if isinstance(value, _NamedTupleObj) and value.cls == "_FormatHelper":
+            if isinstance(value, NamedTupleObj) and value.cls == "_FormatHelper":
                 value = value.values
             if type(value) is tuple and len(value) == 2 and all(
                     type(v) in (int, float) for v in value):
-                name = _RECIPE_ENUMS[cls].get(value)
+                name = RECIPE_ENUMS[cls].get(value)
                 if name is not None:
-                    return _EnumMember(cls, name)
-                raise self.refuse(f"{RECIPE_MODULE}.{cls} value {_short(value)} (not a known member)")
+                    return EnumMember(cls, name)
+                raise self.refuse(f"{RECIPE_MODULE}.{cls} value {short_repr(value)} (not a known member)")
         raise self.refuse(f"REDUCE of {RECIPE_MODULE}.{cls} with arguments other than a member value")
 
-    def rebuild_tensor(self, args: tuple) -> _TensorSpec:
+    def rebuild_tensor(self, args: tuple) -> TensorSpecObj:
         if len(args) not in (6, 7):
             raise self.refuse(f"torch._utils._rebuild_tensor_v2 with {len(args)} arguments")
         storage, offset, size, stride, requires_grad, hooks = args[:6]
-        if not isinstance(storage, _Storage):
-            raise self.refuse(f"torch._utils._rebuild_tensor_v2 of a {_describe(storage)} "
+        if not isinstance(storage, Storage):
+            raise self.refuse(f"torch._utils._rebuild_tensor_v2 of a {describe(storage)} "
                               "(expected a storage)")
         if len(args) == 7 and not (type(args[6]) is dict and not args[6]):
             raise self.refuse("tensor metadata in torch._utils._rebuild_tensor_v2")
         if not isinstance(hooks, _EmptyHooks):
-            raise self.refuse(f"tensor backward hooks that are a {_describe(hooks)}")
+            raise self.refuse(f"tensor backward hooks that are a {describe(hooks)}")
         for label, dims in (("size", size), ("stride", stride)):
             if type(dims) is not tuple or len(dims) > MAX_NDIM or not all(
                     type(d) is int and 0 <= d < (1 << 62) for d in dims):
-                raise self.refuse(f"tensor {label} {_short(dims)} (dims and strides are "
+                raise self.refuse(f"tensor {label} {short_repr(dims)} (dims and strides are "
                                   f"non-negative ints, at most {MAX_NDIM} of them)")
         if len(size) != len(stride):
             raise self.refuse(f"tensor size {size} and stride {stride} of different lengths")
         if type(offset) is not int or not 0 <= offset < (1 << 62):
-            raise self.refuse(f"tensor storage offset {_short(offset)}")
+            raise self.refuse(f"tensor storage offset {short_repr(offset)}")
         if type(requires_grad) is not bool:
-            raise self.refuse(f"tensor requires_grad {_short(requires_grad)}")
+            raise self.refuse(f"tensor requires_grad {short_repr(requires_grad)}")
         if requires_grad and not storage.dtype.is_floating_point:
             raise self.refuse(f"requires_grad on a {storage.dtype} tensor")
         _check_view(size, stride, offset, storage.numel, self.refuse)
-        return _TensorSpec(storage, offset, size, stride, requires_grad)
+        return TensorSpecObj(storage, offset, size, stride, requires_grad)
 
 
-_HANDLERS: Dict[str, Callable[[_Machine, Any], None]] = {
-    "PROTO": _Machine.op_proto, "FRAME": _Machine.op_nothing, "MARK": _Machine.op_mark,
-    "POP": _Machine.op_pop, "POP_MARK": _Machine.op_pop_mark, "DUP": _Machine.op_dup,
-    "NONE": _Machine.op_none, "NEWTRUE": _Machine.op_true, "NEWFALSE": _Machine.op_false,
-    "INT": _Machine.op_value, "BININT": _Machine.op_value, "BININT1": _Machine.op_value,
-    "BININT2": _Machine.op_value, "LONG": _Machine.op_value, "LONG1": _Machine.op_value,
-    "LONG4": _Machine.op_value, "FLOAT": _Machine.op_value, "BINFLOAT": _Machine.op_value,
-    "UNICODE": _Machine.op_value, "BINUNICODE": _Machine.op_value,
-    "SHORT_BINUNICODE": _Machine.op_value, "BINUNICODE8": _Machine.op_value,
-    "BINBYTES": _Machine.op_value, "SHORT_BINBYTES": _Machine.op_value,
-    "BINBYTES8": _Machine.op_value,
-    "EMPTY_LIST": _Machine.op_empty_list, "APPEND": _Machine.op_append,
-    "APPENDS": _Machine.op_appends, "LIST": _Machine.op_list,
-    "EMPTY_TUPLE": _Machine.op_empty_tuple, "TUPLE": _Machine.op_tuple,
-    "TUPLE1": _Machine.op_tuple1, "TUPLE2": _Machine.op_tuple2, "TUPLE3": _Machine.op_tuple3,
-    "EMPTY_DICT": _Machine.op_empty_dict, "DICT": _Machine.op_dict,
-    "SETITEM": _Machine.op_setitem, "SETITEMS": _Machine.op_setitems,
-    "PUT": _Machine.op_put, "BINPUT": _Machine.op_put, "LONG_BINPUT": _Machine.op_put,
-    "MEMOIZE": _Machine.op_memoize,
-    "GET": _Machine.op_get, "BINGET": _Machine.op_get, "LONG_BINGET": _Machine.op_get,
-    "GLOBAL": _Machine.op_global, "STACK_GLOBAL": _Machine.op_stack_global,
-    "REDUCE": _Machine.op_reduce, "NEWOBJ": _Machine.op_newobj, "BUILD": _Machine.op_build,
-    "BINPERSID": _Machine.op_binpersid,
+_HANDLERS: Dict[str, Callable[[Machine, Any], None]] = {
+    "PROTO": Machine.op_proto, "FRAME": Machine.op_nothing, "MARK": Machine.op_mark,
+    "POP": Machine.op_pop, "POP_MARK": Machine.op_pop_mark, "DUP": Machine.op_dup,
+    "NONE": Machine.op_none, "NEWTRUE": Machine.op_true, "NEWFALSE": Machine.op_false,
+    "INT": Machine.op_value, "BININT": Machine.op_value, "BININT1": Machine.op_value,
+    "BININT2": Machine.op_value, "LONG": Machine.op_value, "LONG1": Machine.op_value,
+    "LONG4": Machine.op_value, "FLOAT": Machine.op_value, "BINFLOAT": Machine.op_value,
+    "UNICODE": Machine.op_value, "BINUNICODE": Machine.op_value,
+    "SHORT_BINUNICODE": Machine.op_value, "BINUNICODE8": Machine.op_value,
+    "BINBYTES": Machine.op_value, "SHORT_BINBYTES": Machine.op_value,
+    "BINBYTES8": Machine.op_value,
+    "EMPTY_LIST": Machine.op_empty_list, "APPEND": Machine.op_append,
+    "APPENDS": Machine.op_appends, "LIST": Machine.op_list,
+    "EMPTY_TUPLE": Machine.op_empty_tuple, "TUPLE": Machine.op_tuple,
+    "TUPLE1": Machine.op_tuple1, "TUPLE2": Machine.op_tuple2, "TUPLE3": Machine.op_tuple3,
+    "EMPTY_DICT": Machine.op_empty_dict, "DICT": Machine.op_dict,
+    "SETITEM": Machine.op_setitem, "SETITEMS": Machine.op_setitems,
+    "PUT": Machine.op_put, "BINPUT": Machine.op_put, "LONG_BINPUT": Machine.op_put,
+    "MEMOIZE": Machine.op_memoize,
+    "GET": Machine.op_get, "BINGET": Machine.op_get, "LONG_BINGET": Machine.op_get,
+    "GLOBAL": Machine.op_global, "STACK_GLOBAL": Machine.op_stack_global,
+    "REDUCE": Machine.op_reduce, "NEWOBJ": Machine.op_newobj, "BUILD": Machine.op_build,
+    "BINPERSID": Machine.op_binpersid,
 }  # fmt: skip
 
 
 def _check_key(key: Any, refuse: Callable[[str], Exception], depth: int = 0) -> None:
     """Dict keys: scalars or (shallow) tuples of scalars; never markers or tensors."""
-    if type(key) in _SCALARS:
+    if type(key) in SCALARS:
         return
     if type(key) is tuple and depth < 4:
         for k in key:
             _check_key(k, refuse, depth + 1)
         return
-    raise refuse(f"a dict key that is a {_describe(key)}")
+    raise refuse(f"a dict key that is a {describe(key)}")
 
 
 def _check_view(size: tuple, stride: tuple, offset: int, numel: int,

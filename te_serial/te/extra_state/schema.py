@@ -21,25 +21,25 @@ RECIPE_NAMEDTUPLES: Dict[str, Tuple[str, ...]] = {
 _FORMAT_MEMBERS: Dict[Tuple[Any, Any], str] = {
     (6, 6): "E2M1", (448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID",
 }  # fmt: skip
-_RECIPE_ENUMS = {"Format": _FORMAT_MEMBERS}
-_STATELESS_RECIPES = frozenset({"Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
+RECIPE_ENUMS = {"Format": _FORMAT_MEMBERS}
+STATELESS_RECIPES = frozenset({"Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
                                 "NVFP4BlockScaling"})
-_KNOWN_RECIPE_POLICIES = _STATELESS_RECIPES | {"DelayedScaling", "CustomRecipe"}
+KNOWN_RECIPE_POLICIES = STATELESS_RECIPES | {"DelayedScaling", "CustomRecipe"}
 
 DELAYED_SCALING_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
-_STORAGE_DTYPES: Dict[str, torch.dtype] = {
+STORAGE_DTYPES: Dict[str, torch.dtype] = {
     "FloatStorage": torch.float32, "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
     "ByteStorage": torch.uint8, "CharStorage": torch.int8, "ShortStorage": torch.int16,
     "IntStorage": torch.int32, "LongStorage": torch.int64, "BoolStorage": torch.bool,
 }  # fmt: skip
 
-_SCALARS = (type(None), bool, int, float, str, bytes)
-_SCALAR_SET = frozenset(_SCALARS)
+SCALARS = (type(None), bool, int, float, str, bytes)
+SCALAR_SET = frozenset(SCALARS)
 _INTS = frozenset({int, bool})
 
 
-def _widest_int(values: Any) -> int:
+def widest_int(values: Any) -> int:
     """Bits of the widest int among scalars (C speed when they are all ints / bools)."""
     types = set(map(type, values))
     if int not in types:
@@ -49,7 +49,7 @@ def _widest_int(values: Any) -> int:
     return max(x.bit_length() for x in values if type(x) is int)
 
 
-def _bad_field_name(name: Any) -> bool:
+def bad_field_name(name: Any) -> bool:
     """Recipe instance-dict keys must be plain identifiers; never dunders (``__reduce_ex__`` in an
     instance dict would be called by ``pickle.dumps``; ``__class__`` / ``__dict__`` are not
     fields)."""
