@@ -45,7 +45,7 @@ import te_serial as ts
 from te_serial import errors as tse
 from te_serial import formats as tsf
 import te_serial.dcp as tdcp
-import te_serial.dcp._local as tdcp_local
+import te_serial.dcp.local as tdcp_local
 from te_serial.checkpoint.writer import SHARD_NAME
 from te_serial.formats.slicing import buffer_regions, slice_quantized
 from helpers import FORMAT_CASES, USAGES, assert_same_tensor, make_input, same_bits
@@ -122,7 +122,7 @@ def local_part(full, dim: int, world: int, rank: int):
     q = full.quantizer
     if size == 0:
         bufs = q.alloc_tensors(local_shape)
-        for b in tdcp_local._tensor_wide(q):
+        for b in tdcp_local.tensor_wide_buffers(q):
             bufs[b] = getattr(full, b).clone()
         return type(full)(local_shape, full.dtype, q, **bufs)
     if dim == 0:
@@ -194,7 +194,7 @@ def check_loaded(sd: dict, full: dict, world: int, rank: int, mesh) -> dict[str,
                 want = t
             if isinstance(want, tsf.QuantizedTensorStorage) and want.numel() == 0:
                 assert type(got) is type(want) and got.shape == want.shape, "empty shard"
-                for b in tdcp_local._tensor_wide(want.quantizer):
+                for b in tdcp_local.tensor_wide_buffers(want.quantizer):
                     assert same_bits(getattr(got, b), getattr(want, b)), b
             else:
                 assert_same_tensor(got, want, name)

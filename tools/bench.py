@@ -513,7 +513,7 @@ def _dcp_state(names, world: int, rank: int, mesh, fill: bool):
     """Each rank's Shard(0) part of every weight as a DTensor of a quantized tensor (random bytes,
     tensor-wide scalars equal on every rank), and the same bytes as plain DTensors (views)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from te_serial.dcp._local import _buffer_pieces, _local_view
+    from te_serial.dcp.local import buffer_pieces, local_view
     g = torch.Generator().manual_seed(rank)
     noise = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
     quantized, plain = {}, {}
@@ -534,7 +534,7 @@ def _dcp_state(names, world: int, rank: int, mesh, fill: bool):
         d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((4096, 4096)),
                                stride=(4096, 1))
         quantized[name] = d
-        for b, (offsets, sizes, piece) in _buffer_pieces(_local_view(name, d)).items():
+        for b, (offsets, sizes, piece) in buffer_pieces(local_view(name, d)).items():
             view = ts.formats.slicing.region_views(q, (4096, 4096))[b]
             dims = [i for i, (s, v) in enumerate(zip(sizes, view)) if s != v]
             placement = [Shard(dims[0])] if dims else [Replicate()]

@@ -24,8 +24,9 @@ from ..checkpoint.tree import TEExtraState, extra_state_refs, flatten_tree, rebu
 from ..errors import CheckpointError, UnsupportedValueError
 from ..formats.slicing import region_views
 from ..proto import TensorProto
-from ._local import (_KEY, _Local, _MISSING, _allocate, _buffer_pieces, _describe, _float32, _local_view, _name,
-                     _plain, _proto_dict, _rank, _set_at, _tensor_wide, _tree_value, _walk, _zero_padding)
+from .local import (MISSING, PLANNER_KEY, LocalTensor, allocate_local, buffer_pieces, current_rank, describe_proto,
+                    float32_hex, local_view, path_name, plain_value, proto_dict, set_at_path, tensor_wide_buffers,
+                    tree_value, walk_tree, zero_padding)
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -45,7 +46,7 @@ class SavePlanner(DefaultSavePlanner):
         self._protos: dict[str, TensorProto] = {}
         self._scalars: dict[str, str] = {}
         for name, value in tensors.items():
-            loc = _local_view(name, value)
+            loc = local_view(name, value)
             self._protos[name] = loc.proto
             q = loc.proto.quantizer
             if q is None:
@@ -56,9 +57,9 @@ class SavePlanner(DefaultSavePlanner):
                     self._items.append(item)
                 continue
             views = region_views(q, loc.proto.shape)
-            wide = _tensor_wide(q)
+            wide = tensor_wide_buffers(q)
             global_empty = math.prod(loc.proto.shape) == 0
-            for b, (offsets, sizes, data) in _buffer_pieces(loc).items():
+            for b, (offsets, sizes, data) in buffer_pieces(loc).items():
                 fqn = buffer_key(name, b)
                 index = MetadataIndex(fqn, offsets)
                 if b in wide:
@@ -73,13 +74,13 @@ class SavePlanner(DefaultSavePlanner):
                                                 size=torch.Size(views[b]))))
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items, planner_data={_KEY: {
-            "rank": _rank(), "protos": {n: _proto_dict(p) for n, p in self._protos.items()},
+        self.plan = SavePlan(self._items, planner_data={PLANNER_KEY: {
+            "rank": current_rank(), "protos": {n: proto_dict(p) for n, p in self._protos.items()},
             "scalars": self._scalars}})
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]):
-        infos = [(p.planner_data or {}).get(_KEY) if isinstance(p.planner_data, dict) else None for p in all_plans]
+        infos = [(p.planner_data or {}).get(PLANNER_KEY) if isinstance(p.planner_data, dict) else None for p in all_plans]
         if any(i is None for i in infos):
             raise CheckpointError("every rank must use te_serial.dcp.SavePlanner")
         mine = infos[0]["protos"]
@@ -98,14 +99,14 @@ class SavePlanner(DefaultSavePlanner):
         for fqn, by_rank in seen.items():
             if len(set(by_rank.values())) > 1:
                 name, b = fqn.rsplit(".", 1)
-                values = ", ".join(f"rank {r}: {_float32(v)}" for r, v in sorted(by_rank.items()))
+                values = ", ".join(f"rank {r}: {float32_hex(v)}" for r, v in sorted(by_rank.items()))
                 raise CheckpointError(
                     f"tensor {name!r}: the tensor-wide buffer {b} differs between ranks ({values}); "
                     "a per-tensor-scaled format (FP8 per-tensor scale_inv, NVFP4 tensor amax) must be quantized "
                     "with the same scale / amax on every shard", tensor=name, field=b)
         plans = [dataclasses.replace(p, planner_data=None) for p in all_plans]
         global_plan, metadata = super().create_global_plan(plans)
-        metadata.planner_data = {_KEY: {"protos": dict(self._protos), "tree": self.tree}}
+        metadata.planner_data = {PLANNER_KEY: {"protos": dict(self._protos), "tree": self.tree}}
         return global_plan, metadata
 
     def resolve_data(self, write_item: WriteItem):
@@ -127,7 +128,7 @@ class LoadPlanner(DefaultLoadPlanner):
                          allow_partial_load=allow_partial_load)
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        info = metadata.planner_data.get(_KEY) if metadata is not None and isinstance(metadata.planner_data, dict) \
+        info = metadata.planner_data.get(PLANNER_KEY) if metadata is not None and isinstance(metadata.planner_data, dict) \
             else None
         if info is None:
             raise CheckpointError("te_serial.dcp.LoadPlanner needs metadata from te_serial.dcp.StorageReader")
@@ -136,29 +137,29 @@ class LoadPlanner(DefaultLoadPlanner):
         protos: dict[str, TensorProto] = info["protos"]
         tensors: list = []
         values: list = []
-        _walk(state_dict, (), tensors, values)
+        walk_tree(state_dict, (), tensors, values)
         self._dest: dict[str, list[torch.Tensor]] = {}
         self._items: list[ReadItem] = []
         missing = []
         tree = info["tree"]
         self._extra: list[tuple[tuple, TEExtraState, dict[str, torch.Tensor]]] = []
         for path, value in tensors:
-            name = _name(path)
+            name = path_name(path)
             saved = protos.get(name)
             if saved is None:
-                found = _tree_value(tree, path) if tree is not None else _MISSING
+                found = tree_value(tree, path) if tree is not None else MISSING
                 if type(found) is TEExtraState:  # stored decoded: its tensors now, TE's bytes after
                     self._plan_extra_state(path, found, protos)
                     continue
                 missing.append(name)
                 continue
-            loc = _local_view(name, value, loading=True)
+            loc = local_view(name, value, loading=True)
             if loc.local.device.type == "meta":
-                value = _allocate(loc)
-                _set_at(state_dict, path, value)
-                loc = _local_view(name, value, loading=True)
+                value = allocate_local(loc)
+                set_at_path(state_dict, path, value)
+                loc = local_view(name, value, loading=True)
             if (loc.proto.shape, loc.proto.quantizer) != (saved.shape, saved.quantizer):
-                raise CheckpointError(f"the checkpoint holds {_describe(saved)}, the state dict {_describe(loc.proto)}",
+                raise CheckpointError(f"the checkpoint holds {describe_proto(saved)}, the state dict {describe_proto(loc.proto)}",
                                       tensor=name)
             if loc.proto.quantizer is None:
                 self._plan_plain(name, value)
@@ -167,13 +168,13 @@ class LoadPlanner(DefaultLoadPlanner):
         if missing and not self.allow_partial_load:
             raise CheckpointError(f"{len(missing)} state-dict tensors are not in the checkpoint, e.g. {missing[:5]}")
         for path in values:
-            found = _tree_value(tree, path) if tree is not None else _MISSING
-            if found is _MISSING:
+            found = tree_value(tree, path) if tree is not None else MISSING
+            if found is MISSING:
                 if not self.allow_partial_load:
-                    raise CheckpointError(f"value {_name(path)!r} of the state dict is not in the checkpoint",
-                                          tensor=_name(path))
+                    raise CheckpointError(f"value {path_name(path)!r} of the state dict is not in the checkpoint",
+                                          tensor=path_name(path))
                 continue
-            _set_at(state_dict, path, _plain(found, _name(path)))
+            set_at_path(state_dict, path, plain_value(found, path_name(path)))
 
     def _plan_extra_state(self, path: tuple, node: TEExtraState, protos: dict[str, TensorProto]) -> None:
         """A TE module's ``_extra_state``: read the tensors its decoded state refers to (scales,
@@ -193,7 +194,7 @@ class LoadPlanner(DefaultLoadPlanner):
         DCP plans on a copy of its top level) becomes TE's own bytes, as ``load_quantized`` gives
         them, encoded from the state read, never unpickled. ``te_serial.dcp.load`` calls this."""
         for path, node, loaded in self._extra:
-            _set_at(state_dict, path, rebuild_tree(node, loaded))
+            set_at_path(state_dict, path, rebuild_tree(node, loaded))
         self._extra = []
 
     def _metadata(self, fqn: str, name: str) -> TensorStorageMetadata:
@@ -213,10 +214,10 @@ class LoadPlanner(DefaultLoadPlanner):
         self._dest[name] = [d.detach() for d in dests]
         self._items += create_read_items_for_chunk_list(name, md, chunks)
 
-    def _plan_quantized(self, loc: _Local) -> None:
-        _zero_padding(loc.local)
+    def _plan_quantized(self, loc: LocalTensor) -> None:
+        zero_padding(loc.local)
         values = loc.proto.quantizer.value_dtypes()
-        for b, (offsets, sizes, data) in _buffer_pieces(loc, loading=True).items():
+        for b, (offsets, sizes, data) in buffer_pieces(loc, loading=True).items():
             fqn = buffer_key(loc.name, b)
             md = self._metadata(fqn, loc.name)
             self._dest[fqn] = [data.view(values[b])]

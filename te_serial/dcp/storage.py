@@ -28,7 +28,7 @@ from ..checkpoint.tree import TensorRef
 from ..checkpoint.writer import SHARD_NAME, parse_size, producer
 from ..errors import CheckpointError, ManifestError, UnsupportedValueError
 from ..proto import TensorProto
-from ._local import _KEY
+from .local import PLANNER_KEY
 
 
 class _Stored(NamedTuple):
@@ -156,7 +156,7 @@ class StorageWriter(_dcp.StorageWriter):
                 written[(r.index.fqn, tuple(r.index.offset))] = r.storage_data
                 files[r.storage_data.file] = r.storage_data.file_size
         files = dict(sorted(files.items()))
-        info = metadata.planner_data.get(_KEY) if isinstance(metadata.planner_data, dict) else None
+        info = metadata.planner_data.get(PLANNER_KEY) if isinstance(metadata.planner_data, dict) else None
         if info is not None:
             protos, tree = info["protos"], info["tree"]
         else:  # DCP's own planner: plain tensors under their flat names
@@ -263,7 +263,7 @@ class StorageReader(_dcp.StorageReader):
                     chunks.append(ChunkStorageMetadata(torch.Size(pc.offsets), torch.Size(pc.sizes)))
                     refs[MetadataIndex(fqn, pc.offsets)] = (name, buf, pc)
                 sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=buf.dtype), torch.Size(buf.view), chunks)
-        self._metadata = Metadata(sd_md, planner_data={_KEY: {"protos": ckpt.protos, "tree": ckpt.manifest.tree}},
+        self._metadata = Metadata(sd_md, planner_data={PLANNER_KEY: {"protos": ckpt.protos, "tree": ckpt.manifest.tree}},
                                   storage_data=refs)
         return self._metadata
 

@@ -20,12 +20,12 @@ from ..formats.slicing import box_to_range, buffer_regions, region_views, storag
 from ..proto import TensorProto
 
 
-_KEY = "te_serial"
+PLANNER_KEY = "te_serial"
 
 
 # --- the local view of one state-dict tensor ---------------------------------------------------------
 
-def _rank() -> int:
+def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -33,7 +33,7 @@ def _is_quantized(t: Any) -> bool:
     return isinstance(t, QuantizedTensorStorage)
 
 
-class _Local(NamedTuple):
+class LocalTensor(NamedTuple):
     """One state-dict tensor on this rank: the global prototype and where the local part sits."""
 
     name: str
@@ -43,7 +43,7 @@ class _Local(NamedTuple):
     dtensor: DTensor | None
 
 
-def _local_view(name: str, value: Any, *, loading: bool = False) -> _Local:
+def local_view(name: str, value: Any, *, loading: bool = False) -> LocalTensor:
     """Prototype and local chunk of a plain / quantized tensor or DTensor (quantized local)."""
     if isinstance(value, DTensor):
         local = value._local_tensor
@@ -55,29 +55,29 @@ def _local_view(name: str, value: Any, *, loading: bool = False) -> _Local:
         q = local.quantizer.of_whole(value.shape) if _is_quantized(local) else None
         proto = TensorProto(tuple(value.shape), value.dtype, q, bool(value.requires_grad))
         if q is not None and tuple(local.shape) != box[1]:
-            raise ShapeError(f"tensor {name!r} on rank {_rank()}: the local quantized tensor is "
+            raise ShapeError(f"tensor {name!r} on rank {current_rank()}: the local quantized tensor is "
                              f"{list(local.shape)} but its DTensor placement gives a shard of {list(box[1])}")
-        return _Local(name, proto, local, box, value)
+        return LocalTensor(name, proto, local, box, value)
     if _is_quantized(value):
         if value.device.type == "meta" and not loading:
             raise UnsupportedValueError(f"tensor {name!r} is on the meta device and holds no data")
-        return _Local(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer,
+        return LocalTensor(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer,
                                         bool(getattr(value, "requires_grad", False))), value, None, None)
     from ..te.interop import from_te, is_te_tensor
     if is_te_tensor(value):
         value = from_te(value, name=name)
-        return _Local(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer, False), value, None, None)
+        return LocalTensor(name, TensorProto(tuple(value.shape), value.dtype, value.quantizer, False), value, None, None)
     if not isinstance(value, torch.Tensor):
         raise UnsupportedValueError(f"value at {name!r} is a {type(value).__name__}, not a tensor")
     if value.layout != torch.strided:
         raise UnsupportedValueError(f"tensor {name!r} has layout {value.layout}; only dense tensors are saved")
     if value.device.type == "meta" and not loading:
         raise UnsupportedValueError(f"tensor {name!r} is on the meta device and holds no data")
-    return _Local(name, TensorProto(tuple(value.shape), value.dtype, None, bool(value.requires_grad)),
+    return LocalTensor(name, TensorProto(tuple(value.shape), value.dtype, None, bool(value.requires_grad)),
                   value, None, None)
 
 
-def _quantized_range(loc: _Local) -> tuple[tuple[int, int], tuple[int, int]] | None:
+def _quantized_range(loc: LocalTensor) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """The local shard's (rows, cols) in the global 2-D view, checked against the format's blocks;
     None for an empty shard."""
     q, shape = loc.proto.quantizer, loc.proto.shape
@@ -89,7 +89,7 @@ def _quantized_range(loc: _Local) -> tuple[tuple[int, int], tuple[int, int]] | N
         return None
     rc = box_to_range(shape, offsets, sizes)
     if rc is None:
-        raise ShapeError(f"tensor {loc.name!r} on rank {_rank()}: its shard at offsets {list(offsets)} with sizes "
+        raise ShapeError(f"tensor {loc.name!r} on rank {current_rank()}: its shard at offsets {list(offsets)} with sizes "
                          f"{list(sizes)} is not one range of rows × columns of the tensor's 2-D view; shard "
                          "quantized tensors along dim 0 (FSDP2's Shard(0))")
     (r0, r1), (c0, c1) = rc
@@ -97,13 +97,13 @@ def _quantized_range(loc: _Local) -> tuple[tuple[int, int], tuple[int, int]] | N
     for what, (a, b), n, block in (("rows", (r0, r1), m, ra), ("columns", (c0, c1), k, ca)):
         if a % block or (b % block and b != n):
             raise ShapeError(
-                f"tensor {loc.name!r} on rank {_rank()}: its shard holds {what} [{a}, {b}) of {n}, which is not "
+                f"tensor {loc.name!r} on rank {current_rank()}: its shard holds {what} [{a}, {b}) of {n}, which is not "
                 f"aligned to the {q.layout_name()} block of {block} {what}; shard so that every rank holds whole "
                 f"blocks (a multiple of {block} {what}, the last rank the rest)")
     return rc
 
 
-def _buffer_pieces(loc: _Local, *, loading: bool = False) -> dict[str, tuple[tuple, tuple, torch.Tensor]]:
+def buffer_pieces(loc: LocalTensor, *, loading: bool = False) -> dict[str, tuple[tuple, tuple, torch.Tensor]]:
     """buffer → (global box offsets, sizes, the local data of that box in the stored dtype) of a
     quantized tensor's local shard. An empty shard saves nothing and loads only the tensor-wide
     buffers (its scale_inv / amax)."""
@@ -114,7 +114,7 @@ def _buffer_pieces(loc: _Local, *, loading: bool = False) -> dict[str, tuple[tup
     if rc is None:
         if not loading:
             return {}
-        wide = _tensor_wide(q)
+        wide = tensor_wide_buffers(q)
         return {b: ((0,) * len(views[b]), views[b], buf.view(values[b])) for b, buf in local.buffers().items()
                 if b in wide}
     boxes = buffer_regions(q, loc.proto.shape, *rc)
@@ -129,7 +129,7 @@ def _buffer_pieces(loc: _Local, *, loading: bool = False) -> dict[str, tuple[tup
     return out
 
 
-def _tensor_wide(q) -> set[str]:
+def tensor_wide_buffers(q) -> set[str]:
     """Buffers with one value for the whole tensor: scales without a block grid, amaxes (not a
     per-row amax, which is sharded with the rows)."""
     out = set()
@@ -142,33 +142,33 @@ def _tensor_wide(q) -> set[str]:
     return out
 
 
-def _float32(hexbytes: str) -> str:
+def float32_hex(hexbytes: str) -> str:
     raw = bytes.fromhex(hexbytes)
     return repr(struct.unpack("<f", raw)[0]) if len(raw) == 4 else raw.hex()
 
 
-def _proto_dict(p: TensorProto) -> dict:
+def proto_dict(p: TensorProto) -> dict:
     return {"shape": list(p.shape), "dtype": str(p.dtype), "requires_grad": p.requires_grad,
             "quantizer": p.quantizer.to_dict() if p.quantizer is not None else None}
 
 
-def _describe(p: TensorProto) -> str:
+def describe_proto(p: TensorProto) -> str:
     q = p.quantizer
     return f"{'plain' if q is None else q.layout_name()} {list(p.shape)} {str(p.dtype).replace('torch.', '')}"
 
 
 # --- saving --------------------------------------------------------------------------------------------
 
-def _walk(obj: Any, path: tuple, tensors: list, values: list, in_tuple: bool = False) -> None:
+def walk_tree(obj: Any, path: tuple, tensors: list, values: list, in_tuple: bool = False) -> None:
     """Tensor leaves (with their paths) and plain-value leaves of a state dict, in te-serial's naming."""
     if isinstance(obj, (torch.Tensor, QuantizedTensorStorage)):
         tensors.append((path, obj))
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _walk(v, path + (k,), tensors, values, in_tuple)
+            walk_tree(v, path + (k,), tensors, values, in_tuple)
     elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
         for i, v in enumerate(obj):
-            _walk(v, path + (i,), tensors, values, in_tuple or isinstance(obj, tuple))
+            walk_tree(v, path + (i,), tensors, values, in_tuple or isinstance(obj, tuple))
     elif path and not in_tuple:
         values.append(path)
 
@@ -183,21 +183,21 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
-def _name(path: tuple) -> str:
+def path_name(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
-def _set_at(root: Any, path: tuple, value: Any) -> None:
+def set_at_path(root: Any, path: tuple, value: Any) -> None:
     obj = root
     for k in path[:-1]:
         obj = obj[k]
     obj[path[-1]] = value
 
 
-_MISSING = object()
+MISSING = object()
 
 
-def _tree_value(tree: Any, path: tuple) -> Any:
+def tree_value(tree: Any, path: tuple) -> Any:
     node = tree
     for k in path:
         if isinstance(node, dict):
@@ -206,27 +206,27 @@ def _tree_value(tree: Any, path: tuple) -> Any:
             elif isinstance(k, str) and k.isdigit() and int(k) in node:
                 node = node[int(k)]
             else:
-                return _MISSING
+                return MISSING
         elif isinstance(node, (list, tuple)) and isinstance(k, int) and 0 <= k < len(node):
             node = node[k]
         else:
-            return _MISSING
+            return MISSING
     return node
 
 
-def _plain(value: Any, where: str) -> Any:
+def plain_value(value: Any, where: str) -> Any:
     if isinstance(value, (TensorRef, TEExtraState)):
         raise CheckpointError(f"the checkpoint holds a tensor at {where!r}, the state dict a plain value",
                               tensor=where)
     if isinstance(value, dict):
-        return {k: _plain(v, where) for k, v in value.items()}
+        return {k: plain_value(v, where) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_plain(v, where) for v in value]
+        items = [plain_value(v, where) for v in value]
         return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
-def _allocate(loc: _Local) -> Any:
+def allocate_local(loc: LocalTensor) -> Any:
     """An empty tensor for a meta destination: the prototype's buffers (``alloc_tensors``) on CPU."""
     local = loc.local
     if _is_quantized(local):
@@ -239,7 +239,7 @@ def _allocate(loc: _Local) -> Any:
     return new
 
 
-def _zero_padding(t: QuantizedTensorStorage) -> None:
+def zero_padding(t: QuantizedTensorStorage) -> None:
     for name, (r, c) in t.quantizer.valid_regions(tuple(t.shape)).items():
         s = getattr(t, name)
         s[r:] = 0
