@@ -25,8 +25,8 @@ from ..dtypes import dtype_from_name, dtype_name
 from ..errors import BufferMismatchError, FormatError, ShapeError
 from .engine import QuantizeEngine
 from .layout_rules import LayoutRules
-from .protocol import (QUANTIZER_REGISTRY, ROWWISE, BufferSpec, StorageMeta, UsageLayout, _FIELD_TYPES,
-                       _encode_field, resolve_quantizer)
+from .protocol import (FIELD_TYPES, QUANTIZER_REGISTRY, ROWWISE, BufferSpec, StorageMeta, UsageLayout,
+                       encode_field, resolve_quantizer)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tensors import QuantizedTensor, QuantizedTensorStorage
@@ -304,7 +304,7 @@ class Quantizer(LayoutRules, QuantizeEngine):
             value = getattr(self, f.name)
             if f.name in self.LATER_FIELDS and value == f.default:
                 continue
-            out[f.name] = _encode_field(value)
+            out[f.name] = encode_field(value)
         return out
 
     @staticmethod
@@ -324,7 +324,7 @@ class Quantizer(LayoutRules, QuantizeEngine):
                 continue
             if k in cls._dtype_fields:
                 v = dtype_from_name(v)
-            elif not _FIELD_TYPES.get(types[k], lambda _: True)(v):
+            elif not FIELD_TYPES.get(types[k], lambda _: True)(v):
                 raise FormatError(f"{cls.__name__} field {k} must be {types[k]}, got {v!r}")
             kwargs[k] = v
         try:

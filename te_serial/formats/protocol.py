@@ -125,14 +125,15 @@ def require_fp8_dtype(q: "Quantizer") -> None:
 
 
 #: checks for the annotated types of quantizer fields, as read from a file
-_FIELD_TYPES = {
+FIELD_TYPES = {
     "bool": lambda v: isinstance(v, bool),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
 }
 
 
-def _encode_field(value: Any) -> Any:
+def encode_field(value: Any) -> Any:
+    """A quantizer field's value as a file holds it (a torch dtype by its name)."""
     return dtype_name(value) if isinstance(value, torch.dtype) else value
 
 
