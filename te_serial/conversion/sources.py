@@ -158,10 +158,6 @@ class Source:
         it was checked as it was read)."""
         return self.load(name), None
 
-    def load_member(self, name: str, member: int) -> torch.Tensor:
-        """Expert ``member`` of the grouped tensor ``name``."""
-        return self.load(name).members()[member]
-
     def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Experts ``start`` .. ``stop - 1`` of the grouped tensor ``name``, as a grouped tensor of their
         own (of a plain 3-D stack: those rows of its first dim)."""
@@ -243,9 +239,6 @@ class TeSerialSource(Source):
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.ckpt.stream(name, verify=self.verify)
-
-    def load_member(self, name: str, member: int) -> torch.Tensor:
-        return self.ckpt.get(name, verify=self.verify, mmap=False, member=member)  # that expert's bytes only
 
     def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
         shape = self.tensors[name].shape
@@ -727,7 +720,9 @@ class GroupedView(Source):
         return TensorProto(q.group_shape, first.dtype, q)
 
     def _load_part(self, name: str, member: int | None) -> torch.Tensor:
-        return self.inner.load(name) if member is None else self.inner.load_member(name, member)
+        if member is None:
+            return self.inner.load(name)
+        return self.inner.load_members(name, member, member + 1).members()[0]
 
     def load(self, name: str) -> torch.Tensor:
         from .transforms import build_grouped
@@ -936,16 +931,10 @@ class PerExpertView(Source):
         return SourceTensor(out, proto, fmt, usage_label(proto.quantizer), proto.nbytes, {"expert_part": part})
 
     def load(self, name: str) -> torch.Tensor:
-        from ..formats.slicing import slice_quantized
         part = self.tensors[name].keys.get("expert_part") if name in self.tensors else None
         if part is None:
             return self.inner.load(self._renamed.get(name, name))
-        st = self.inner.tensors[part.source]
-        if st.quantizer is None:
-            t = self.inner.load(part.source)[part.expert]
-            return t[part.rows[0]:part.rows[1]] if part.rows else t
-        member = self.inner.load_member(part.source, part.expert)
-        return slice_quantized(member, rows=part.rows) if part.rows else member
+        return self.load_pieces([name])[0]   # that expert's bytes only
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         st = self.tensors[name]
