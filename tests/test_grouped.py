@@ -409,3 +409,45 @@ def test_verified_member_reads_check_each_stored_buffer_once_per_open(tmp_path, 
     with ts.open(path) as ckpt, pytest.raises(ChecksumError):
         for i in range(g.quantizer.num_tensors):
             ckpt.get("e.experts.w.weight", member=i, verify=True)
+
+
+def test_streamed_members_are_views_of_their_bytes_and_checked_once_written(tmp_path):
+    """``Checkpoint.stream(members=)``: a range of a grouped tensor's experts (of a plain 3-D stack, its
+    first-dim entries), equal to ``get(members=)``; the check it returns covers each stored buffer once
+    per open and refuses a corrupted one; ranges outside the group, and members of a tensor that is not
+    grouped, are refused with the reader's own error."""
+    from te_serial.errors import CheckpointError, ChecksumError
+    g = G.from_members(members_of("mxfp8", "rows"))
+    stack = torch.randn(4, 8, 16, dtype=torch.bfloat16)
+    path = tmp_path / "ck.safetensors"
+    ts.save_quantized({"e.experts.w.weight": g, "e.experts.plain": stack}, path)
+    n = g.quantizer.num_tensors
+    with ts.open(path) as ckpt:
+        got, check = ckpt.stream("e.experts.w.weight", members=(1, n))
+        want = ckpt.get("e.experts.w.weight", members=(1, n), verify=True)
+        for i, (a, b) in enumerate(zip(got.members(), want.members())):
+            assert_same_tensor(a, b, f"member {i + 1}")
+        check()   # already verified by the get above: nothing to redo, nothing raised
+        plain, check = ckpt.stream("e.experts.plain", members=(1, 3))
+        assert torch.equal(plain, stack[1:3]) and torch.equal(ckpt.get("e.experts.plain", members=(1, 3)), stack[1:3])
+        check()
+        for bad in [(0, n + 1), (2, 2), (-1, 1)]:
+            with pytest.raises(CheckpointError, match="members="):
+                ckpt.stream("e.experts.w.weight", members=bad)
+        with pytest.raises(CheckpointError, match="members="):
+            ckpt.get("e.experts.plain", members=(3, 5))
+    from te_serial.recipes import recipe_quantizer
+    q = recipe_quantizer("mxfp8")
+    ts.save_quantized({"w": q.quantize(torch.randn(64, 64))}, tmp_path / "dense.safetensors")
+    with ts.open(tmp_path / "dense.safetensors") as ckpt, pytest.raises(CheckpointError, match="not grouped"):
+        ckpt.stream("w", members=(0, 1))
+    data = bytearray(path.read_bytes())
+    with ts.open(path) as ckpt:
+        _, file, key = ckpt.manifest.locations("e.experts.w.weight")[0][:3]
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + json.loads(data[8:header])[key]["data_offsets"][0] + 1] ^= 0x40
+    path.write_bytes(bytes(data))
+    with ts.open(path) as ckpt:
+        _, check = ckpt.stream("e.experts.w.weight", members=(0, 1))
+        with pytest.raises(ChecksumError):
+            check()

@@ -8,6 +8,7 @@ the per-expert checkpoints ``save_pretrained`` and ``convert`` write.
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 import json
 
 import pytest
@@ -559,16 +560,22 @@ def test_an_export_reads_a_stacks_experts_together_with_the_same_bytes(recipe, t
             for name, got in zip(names, source.load_pieces(names)):
                 assert_same_tensor(got, source.load(name), name)
     reads = []
-    real = Checkpoint.get
+    real, real_stream = Checkpoint.get, Checkpoint.stream
     monkeypatch.setattr(Checkpoint, "get", lambda self, name, *a, **kw: reads.append((name, kw.get("member"),
                                                                                      kw.get("members")))
                         or real(self, name, *a, **kw))
+    monkeypatch.setattr(Checkpoint, "stream", lambda self, name, *a, **kw: reads.append((name, None,
+                                                                                        kw.get("members")))
+                        or real_stream(self, name, *a, **kw))
     ts.convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_" + recipe)
     assert not [r for r in reads if r[1] is not None]    # no expert read on its own
-    # each stack once; NVFP4's gate_up once more, before: its gate and up take one global scale
+    assert not [r for r in reads if r[0] in stacks and r[2] is None]   # nor a stack whole
+    # each stack once (streamed: a byte relayout); NVFP4's gate_up once more, before: its gate and up
+    # take one global scale
     want = {s: 2 if recipe == "nvfp4" and s.endswith("gate_up_proj") else 1 for s in stacks}
     assert collections.Counter(r[0] for r in reads if r[2] is not None) == want
     monkeypatch.setattr(Checkpoint, "get", real)
+    monkeypatch.setattr(Checkpoint, "stream", real_stream)
     with ts.open(tmp_path / "te") as ck:
         _, file, key = ck.manifest.locations(sorted(stacks)[0])[0][:3]
     shard = tmp_path / "te" / file
@@ -582,9 +589,66 @@ def test_an_export_reads_a_stacks_experts_together_with_the_same_bytes(recipe, t
     assert not (tmp_path / "bad" / "config.json").exists() and not list((tmp_path / "bad").glob("*.safetensors"))
 
 
+def _export_files(out):
+    from safetensors import safe_open
+    keys = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            keys.update({k: fh.get_tensor(k) for k in fh.keys()})
+    others = {f.name: f.read_bytes() for f in out.iterdir() if f.suffix == ".json" and f.name != "model.safetensors.index.json"}
+    return keys, others
+
+
+@pytest.mark.parametrize("recipe, layout, joined", [
+    ("mxfp8", "modelopt_mxfp8", True), ("mxfp8", "compressed_tensors_mxfp8", True), ("mxfp8", "sglang_mxfp8", True),
+    ("fp8_block", "modelopt_fp8_pb_wo", True), ("fp8_block", "deepseek_fp8", True),
+    ("mxfp4", "compressed_tensors_mxfp4", True), ("nvfp4", "modelopt_nvfp4", False),
+    ("nvfp4", "compressed_tensors_nvfp4", False)])
+def test_a_stacks_experts_exported_joined_are_what_one_by_one_writes(recipe, layout, joined, tmp_path, monkeypatch):
+    """An export writes a stack's experts as one tensor cut by rows, each joined buffer with one write,
+    where its layout's scheme is row by row (``row_local``): the files, config, sidecar and report are
+    those of the export expert by expert, byte for byte. Two-level schemes (a tensor scale per expert)
+    go expert by expert. Rows of 128 (128 × 128 blocks) and padded scale grids (MXFP8 of 64 rows) both."""
+    import te_serial.conversion.core as core
+    from te_serial.checkpoint.shards import ShardSet
+    cfg = qwen3_moe_config()
+    if recipe == "fp8_block":   # experts' gate and up on 128-row blocks
+        cfg.hidden_size, cfg.moe_intermediate_size, cfg.intermediate_size = 128, 128, 256
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                for i in range(p.shape[0]):
+                    p[i].mul_(10.0 ** ((i % 5) - 2))
+                p[1].zero_()
+    ts.save_quantized(ts.quantize_model(model, recipe, columnwise=False), tmp_path / "te")
+    taken, runs = [], []
+    real_joined, real_run = core._export_joined, ShardSet.write_run
+    monkeypatch.setattr(core, "_export_joined", lambda *a: taken.append(real_joined(*a)) or taken[-1])
+    monkeypatch.setattr(ShardSet, "write_run", lambda self, keys, t: runs.append(real_run(self, keys, t)) or runs[-1])
+    rep = ts.convert(tmp_path / "te", tmp_path / "joined", recipe=layout)
+    assert taken and all((t is not None) == joined for t in taken)
+    assert runs.count(True) == (2 * len(taken) if joined else 0)   # data and scales: one write each per stack
+    monkeypatch.setattr(core, "_export_joined", lambda *a: None)
+    alone = ts.convert(tmp_path / "te", tmp_path / "alone", recipe=layout)
+    keys, others = _export_files(tmp_path / "joined")
+    want_keys, want_others = _export_files(tmp_path / "alone")
+    assert keys.keys() == want_keys.keys() and others == want_others
+    for k, t in want_keys.items():
+        assert keys[k].dtype == t.dtype and keys[k].shape == t.shape and torch.equal(
+            keys[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+    doc, want = json.loads(rep.to_json()), json.loads(alone.to_json())
+    for d in (doc, want):   # where and how long: the rest is every tensor's report, the notes, the totals
+        d.pop("dst"), d.pop("seconds")
+        d["files"] = [Path(f).name for f in d["files"]]
+    assert doc == want
+    assert any(".experts.3.up_proj" in t.name for t in rep.tensors)
+
+
 def test_an_export_of_bf16_3d_experts_reads_each_stack_by_rows_and_quantizes_each_expert(tmp_path, monkeypatch):
     """A te-serial checkpoint holding a model's 3-D experts in BF16, exported to a serving layout: each
-    stack is read by expert ranges (``rows=``, never whole per batch), and the experts written
+    stack is read by expert ranges (``members=``, never whole per batch), and the experts written
     quantized load back equal to ``quantize_model`` of the same model."""
     from te_serial.checkpoint.reader import Checkpoint
     model = build("qwen3_moe")
@@ -592,9 +656,9 @@ def test_an_export_of_bf16_3d_experts_reads_each_stack_by_rows_and_quantizes_eac
     reads = []
     real = Checkpoint.get
     real_stream = Checkpoint.stream
-    monkeypatch.setattr(Checkpoint, "get", lambda self, name, *a, **kw: reads.append((name, kw.get("rows")))
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name, *a, **kw: reads.append((name, kw.get("members")))
                         or real(self, name, *a, **kw))
-    monkeypatch.setattr(Checkpoint, "stream", lambda self, name, *a, **kw: reads.append((name, None))
+    monkeypatch.setattr(Checkpoint, "stream", lambda self, name, *a, **kw: reads.append((name, kw.get("members")))
                         or real_stream(self, name, *a, **kw))
     ts.convert(tmp_path / "te", tmp_path / "out", recipe="modelopt_mxfp8")
     stacks = {n for n, p in model.named_parameters() if p.dim() == 3}

@@ -399,9 +399,12 @@ class Checkpoint:
         raw = {n: t.view(dtypes[n]) for n, t in raw.items()}
         return QuantizedTensorStorage.__tensor_unflatten__(raw, meta, proto.shape, None)
 
-    def stream(self, name: str, *, verify: bool = True) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def stream(self, name: str, *, verify: bool = True, members: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """One tensor for a streaming copy (``convert``'s byte relayouts), and the check of its stored
         checksums to run once its bytes are written (None when ``verify`` is off or it ran already).
+        ``members=(start, stop)``: only those experts (as :meth:`get` reads them), views of their part
+        of each buffer; the check covers the whole stored buffers, once per open checkpoint.
 
         Each buffer is a mapping of its own pages, unmapped when the tensor is freed, so memory stays
         bounded by the tensors in flight; written before anything reads them, the bytes go from the
@@ -412,16 +415,24 @@ class Checkpoint:
         if proto is None:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
         if self.manifest.chunks and self.manifest.is_chunked(name):
-            return self.get(name, verify=verify, mmap=False), None
+            return self.get(name, verify=verify, mmap=False, members=members), None
         where = self.manifest.locations(name)
         raw = {b: self._file(f).mapped(k, own=True) for b, f, k, _, _, _ in where}
-        out = self._build(proto, dict(raw))
+        if members is None:
+            out = self._build(proto, dict(raw))
+        else:
+            part, boxes = self._member_boxes(name, members)
+            views = {buf.name: _narrow(raw[buf.name].reshape(buf.pieces[0].array), *boxes[buf.name])
+                     for buf in self.pieces(name)}
+            out = self._assemble_members(name, part, views)
         if not verify:
             return out, None
 
         def check() -> None:
             for b, f, k, _, _, c in where:
-                self._check(name, b, self._file(f), raw[b], c)
+                if members is None or (f, k) not in self._verified:
+                    self._check(name, b, self._file(f), raw[b], c)
+                    self._verified.add((f, k))
         return out, check
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,
@@ -439,16 +450,18 @@ class Checkpoint:
         ``member=i`` of a grouped (MoE) tensor reads only expert ``i``'s bytes and returns that
         member (a quantized tensor of the member format, or a plain tensor); ``members=(start, stop)``
         reads only those experts' bytes and returns them as a grouped tensor of their own (an
-        expert-parallel rank's experts).
+        expert-parallel rank's experts); of a plain tensor, its first dim's entries ``start`` ..
+        ``stop - 1`` (a 3-D stack's experts).
         """
         if name not in self.manifest.tensors:
             raise CheckpointError(f"no tensor {name!r} in checkpoint", file=str(self.path), tensor=name)
         grouped = getattr(self._protos[name].quantizer, "is_container", False)
         if member is not None or members is not None or (grouped and (rows is not None or cols is not None)):
-            if not grouped or rows is not None or cols is not None or (member is not None and members is not None):
-                raise CheckpointError("member= / members= read members of a grouped tensor, and a grouped tensor "
-                                      "is read whole or by member= or members= (not rows= / cols=)",
-                                      file=str(self.path), tensor=name)
+            if rows is not None or cols is not None or (member is not None and members is not None) \
+                    or (member is not None and not grouped):
+                raise CheckpointError("member= / members= read members of a grouped tensor (members=, also a plain "
+                                      "tensor's first-dim entries), and a grouped tensor is read whole or by member= "
+                                      "or members= (not rows= / cols=)", file=str(self.path), tensor=name)
             out = self._get_member(name, member, verify) if members is None else \
                 self._get_members(name, members, verify)
             device = torch.device(device)
@@ -539,18 +552,43 @@ class Checkpoint:
         return self._checked(name, q.assemble_member(i, parts, proto.dtype, requires_grad=proto.requires_grad))
 
     def _get_members(self, name: str, members, verify: bool) -> torch.Tensor:
-        """Members ``start`` .. ``stop - 1`` of a grouped tensor as a grouped tensor, reading only their
-        range of each packed buffer."""
+        """Members ``start`` .. ``stop - 1`` of a grouped tensor as a grouped tensor (of a plain tensor,
+        those entries of its first dim), reading only their range of each buffer."""
+        part, boxes = self._member_boxes(name, members)
+        return self._assemble_members(name, part, {buf.name: self.read_region(name, buf, *boxes[buf.name],
+                                                                              verify=verify)
+                                                   for buf in self.pieces(name)})
+
+    def _member_boxes(self, name: str, members) -> tuple[Any, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+        """(the quantizer of members ``start`` .. ``stop - 1`` of a grouped tensor as a group of their own,
+        or None for a plain tensor; buffer → the box of their part in its region view)."""
         proto = self._protos[name]
+        q = proto.quantizer
         try:
             start, stop = members
-            part, spans = proto.quantizer.member_span(start, stop)
+            if q is None:
+                shape = tuple(proto.shape)
+                if not shape or isinstance(start, bool) or isinstance(stop, bool) \
+                        or not 0 <= start < stop <= shape[0]:
+                    raise ShapeError(f"entries [{start}, {stop}) out of range: the first dim is "
+                                     f"{shape[0] if shape else 'absent (0-d)'}")
+                return None, {PLAIN_BUFFER: ((start,) + (0,) * (len(shape) - 1), (stop - start, *shape[1:]))}
+            if not getattr(q, "is_container", False):
+                raise ShapeError(f"a {q.layout_name()} tensor is not grouped: it has no members")
+            part, spans = q.member_span(start, stop)
         except (TypeError, ValueError, ShapeError) as e:
             raise CheckpointError(f"members={members!r}: {e if isinstance(e, ShapeError) else 'a (start, stop) pair'}",
                                   file=str(self.path), tensor=name) from None
+        return part, {b: ((first,), (count,)) for b, (first, count) in spans.items()}
+
+    def _assemble_members(self, name: str, part: Any, regions: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor of :meth:`_member_boxes`' part from its buffers' regions (stored dtypes)."""
+        proto = self._protos[name]
+        if part is None:
+            out = regions[PLAIN_BUFFER]
+            return out.requires_grad_(True) if proto.requires_grad else out
         specs = part.describe_buffers(part.group_shape)
-        parts = {buf.name: self.read_region(name, buf, (spans[buf.name][0],), (spans[buf.name][1],), verify=verify)
-                 .view(specs[buf.name].dtype) for buf in self.pieces(name)}
+        parts = {b: t.view(specs[b].dtype) for b, t in regions.items()}
         return self._checked(name, part.tensor_class(part.group_shape, proto.dtype, part,
                                                       requires_grad=proto.requires_grad, **parts))
 

@@ -21,7 +21,7 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy
 import torch
@@ -140,8 +140,11 @@ class _PlannedFile:
                 except OSError:  # refused after all: the page cache it is
                     self.direct = None
 
-    def write(self, key: str, data: memoryview) -> None:
+    def write(self, keys: tuple[str, ...], data: memoryview) -> None:
+        """Write ``data`` at the offset of ``keys[0]``: the bytes of the buffers ``keys``, laid out one
+        after another."""
         self.open()
+        key = keys[0]
         offset = 8 + self.header_len + self.offsets[key][2]
         if self.direct is not None and len(data) >= 2 * _BLOCK:
             try:
@@ -152,12 +155,12 @@ class _PlannedFile:
                 head = -offset % _BLOCK
                 pwrite_all(self.fd, data[:head], offset)
                 pwrite_all(self.fd, data[head + done:], offset + head + done)
-                self.written.add(key)
+                self.written.update(keys)
                 return
         pwrite_all(self.fd, data, offset)
         if len(data) >= _WRITEBACK_MIN_BYTES:
             start_writeback(self.fd, offset, len(data))
-        self.written.add(key)
+        self.written.update(keys)
 
     def _close_direct(self) -> None:
         if self.direct is not None:
@@ -286,10 +289,32 @@ class ShardSet:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
             digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
         with writing(f.final):
-            f.write(key, data)
+            f.write((key,), data)
             if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
                 f.finish()
         return digest.result() if digest is not None else None
+
+    def write_run(self, keys: Sequence[str], t: torch.Tensor) -> bool:
+        """Write the buffers ``keys`` with one write, where they lie one after another in one file (as
+        planned) and ``t`` (contiguous) holds their bytes in order, e.g. a stack's experts cut by rows.
+        False, with nothing written, where they do not (the caller writes them one by one)."""
+        i = self.file_of.get(keys[0]) if keys else None
+        if i is None or not t.is_contiguous():
+            return False
+        f = self.files[i]
+        at = f.offsets[keys[0]][2]
+        for key in keys:
+            spec = f.offsets.get(key)
+            if spec is None or spec[2] != at or key in f.written:
+                return False
+            at += math.prod(spec[0]) * spec[1].itemsize
+        if at - f.offsets[keys[0]][2] != t.numel() * t.element_size():
+            return False
+        with writing(f.final):
+            f.write(tuple(keys), tensor_bytes(t))
+            if f.complete:
+                f.finish()
+        return True
 
     def finish(self, metadata: Mapping[str, str] | None = None) -> dict[str, int]:
         """fsync every file (``metadata``: the data-dependent header of a single file); name → size."""

@@ -28,6 +28,7 @@ from ..checkpoint.shards import ShardSet
 from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, without_te_serial_config, write_hf_files
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
+from ..formats.slicing import join_rows
 from ..formats.tensors import QuantizedTensorStorage
 from ..fusion import architecture_of, checks_scale, fused_groups, groups_for
 from ..proto import TensorProto
@@ -421,14 +422,16 @@ class _Output:
             self.writer = CheckpointWriter(dst, protos, aliases=aliases, tree=tree, max_shard_size=limit,
                                            metadata=metadata)
         else:
-            self.files = ShardSet(self.root, [k for p in plans for k in p.keys], limit=limit,
+            self.files = ShardSet(self.root, _file_order(source, plans), limit=limit,
                                   single=dst if self.single else None, metadata=SHARD_METADATA,
                                   shard_name=_hf_shard_name)
 
-    def write(self, plan: TensorPlan, out: torch.Tensor) -> None:
+    def prepare(self, plan: TensorPlan, out: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What :meth:`write` writes of ``out`` (on the CPU): the tensor itself for a te-serial checkpoint,
+        else the layout's safetensors buffers (the sidecar entry and shared scales recorded). Done on the
+        compute thread, so the writer's only work is the writing."""
         if self.writer is not None:
-            self.writer.write(plan.name, out)
-            return
+            return out
         blobs = export_buffers(self.family, plan.name, out, plan.export)
         if plan.export is not None and isinstance(out, QuantizedTensorStorage):
             # an exact path keeps the source's rowwise bytes: record the source's own quantizer
@@ -439,8 +442,20 @@ class _Output:
         if plan.export is not None and plan.name in plan.export.schemes:
             keys = plan.export.shared_scale_keys(plan.name, plan.step.out_q)
             self.shared[plan.name] = {k: blobs[prefix(plan.name) + k].clone() for k in keys if prefix(plan.name) + k in blobs}
-        for key, t in blobs.items():
-            self.files.write(key, t)
+        return blobs
+
+    def write(self, plan: TensorPlan, prepared: "torch.Tensor | dict[str, torch.Tensor] | _Runs") -> None:
+        """Write what :meth:`prepare` (or :func:`_export_joined`) made of one tensor."""
+        if self.writer is not None:
+            self.writer.write(plan.name, prepared)
+        elif isinstance(prepared, _Runs):
+            for keys, t in prepared.runs:
+                if not self.files.write_run(keys, t):
+                    for key in keys:
+                        self.files.write(key, prepared.parts[key])
+        else:
+            for key, t in prepared.items():
+                self.files.write(key, t)
 
     def commit(self, config: dict | None, aux: list[Path], extra: Mapping[str, Any] | None = None) -> list[str]:
         """Commit the weights (manifest or index last), then the model directory's other files
@@ -763,21 +778,27 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
         progress(0, total, "")
 
     def read(batch: list[TensorPlan]) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
-        if len(batch) > 1:
-            pieces = _guarded(source, batch[0], lambda: source.load_pieces([p.name for p in batch]))
+        names = [p.name for p in batch]
+        if any(_computes(p.step) for p in batch):
+            pieces = _guarded(source, batch[0], lambda: source.load_pieces(names))
             return [(to_device(t, dev) if _computes(p.step) else t, None) for p, t in zip(batch, pieces)]
-        plan = batch[0]
-        if _computes(plan.step):
-            return [(to_device(_guarded(source, plan, lambda: source.load(plan.name)), dev), None)]
-        # a byte relayout: the source's pages go to the output as they are, checked once written
-        return [_guarded(source, plan, lambda: source.stream(plan.name))]
+        # byte relayouts: the source's pages go to the output as they are, checked once the batch is written
+        pieces, check = _guarded(source, batch[0], lambda: source.stream_pieces(names))
+        return [(t, check if i == len(pieces) - 1 else None) for i, t in enumerate(pieces)]
 
     def compute(batch: list[TensorPlan], items) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
         nonlocal done
         results = []
-        for plan, (src, check) in zip(batch, items):
-            result, reports[plan.name], _ = _guarded(
-                source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+        joined = _guarded(source, batch[0], lambda: _export_joined(source, batch, [t for t, _ in items], out, stats)) \
+            if len(batch) > 1 else None
+        for i, (plan, (src, check)) in enumerate(zip(batch, items)):
+            if joined is not None:
+                result, reports[plan.name] = joined[i]
+            else:
+                result, reports[plan.name], _ = _guarded(
+                    source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+                if result.device == CPU:  # a device's result goes to the CPU on the writer's thread, overlapped
+                    result = _guarded(source, plan, lambda: out.prepare(plan, result))
             results.append((result, check))
             if plan.src.alias_of is None:
                 done += plan.src.nbytes
@@ -787,7 +808,9 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
 
     def write(batch: list[TensorPlan], items) -> None:
         for plan, (result, check) in zip(batch, items):
-            _guarded(source, plan, lambda: out.write(plan, to_device(result, CPU)))
+            if isinstance(result, torch.Tensor) and result.device != CPU:
+                result = _guarded(source, plan, lambda: out.prepare(plan, to_device(result, CPU)))
+            _guarded(source, plan, lambda: out.write(plan, result))
             if check is not None:  # before anything is committed
                 _guarded(source, plan, check)
 
@@ -808,6 +831,101 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
     if progress is not None:
         progress(total, total, "")
     return reports
+
+
+def _export_joined(source: Source, batch: list[TensorPlan], pieces: list[torch.Tensor], out: "_Output",
+                   stats: str) -> list[tuple[dict[str, torch.Tensor], TensorReport]] | None:
+    """A stack's pieces (a batch of :func:`_batches`), byte relayouts into a serving scheme its layout
+    writes row by row (``row_local``), converted and exported as one tensor: their rows joined (the
+    format's exact ``join_rows``), then each output buffer cut back into the pieces' planned keys by
+    rows. The same bytes and reports as piece by piece, without the per-piece work (thousands of
+    experts). Per piece (its buffers, its report); None where any of that does not hold (the caller
+    then goes piece by piece)."""
+    first = batch[0]
+    spec, step = first.export, first.step
+    if spec is None or out.files is None or _computes(step) or not step.exact \
+            or getattr(source, "import_checks", {}).keys() & {p.name for p in batch}:
+        return None
+    scheme = spec.scheme_of(first.name)
+    fused = first.name in spec.schemes   # a fused group's member: its shared scales, recorded (none here)
+    keys = {k for k, _, _ in first.keys}
+    if scheme not in spec.layout.row_local or spec.mode_of(first.name) == "static" \
+            or (fused and any(prefix(first.name) + k in keys for k in spec.shared_scale_keys(first.name, step.out_q))):
+        return None
+    q = getattr(pieces[0], "quantizer", None)
+    if q is None or any(p.export is not spec or p.step != step or spec.scheme_of(p.name) != scheme
+                        or getattr(t, "quantizer", None) != q or t.device != CPU for p, t in zip(batch, pieces)):
+        return None
+    try:
+        shape, bufs = join_rows(q, [(t.logical_shape, t.buffers()) for t in pieces])
+    except (FormatError, ShapeError):
+        return None
+    joined = q.tensor_class(shape, pieces[0].fake_dtype, q, **bufs)
+    src = dataclasses.replace(first.src, proto=dataclasses.replace(first.src.proto, shape=shape),
+                              nbytes=sum(p.src.nbytes for p in batch))
+    result, rep, _ = convert_tensor(source, dataclasses.replace(first, src=src), out.family, src=joined, stats=stats)
+    if rep.label != LOSSLESS or not isinstance(result, QuantizedTensorStorage):
+        return None
+    blobs = export_buffers(out.family, first.name, result, spec)
+    runs: dict[str, list[str]] = {k: [] for k in blobs}   # joined key → the pieces' keys it holds, in order
+    parts: dict[str, torch.Tensor] = {}
+    at = dict.fromkeys(blobs, 0)
+    for p in batch:
+        for key, kshape, kdtype in p.keys:
+            joined_key = _renamed_key(key, p.name, first.name)
+            big = blobs.get(joined_key)
+            if big is None or big.dtype != kdtype or not kshape or tuple(big.shape[1:]) != tuple(kshape[1:]) \
+                    or at[joined_key] + kshape[0] > big.shape[0]:
+                return None
+            parts[key] = big.narrow(0, at[joined_key], kshape[0])
+            at[joined_key] += kshape[0]
+            runs[joined_key].append(key)
+    if any(at[k] != t.shape[0] for k, t in blobs.items()):
+        return None   # a buffer that is not the pieces' rows stacked (a per-tensor scale): piece by piece
+    entry = sidecar_entry(result, first.src.quantizer)
+    done: list[tuple[Any, TensorReport]] = []
+    for p in batch:
+        out.sidecar[p.name] = dict(entry)
+        if fused:
+            out.shared[p.name] = {}
+        # the first piece carries the whole batch's writes (one per joined buffer), the others none
+        written = _Runs([(keys, blobs[k]) for k, keys in runs.items()], parts) if not done else {}
+        done.append((written, dataclasses.replace(rep, name=p.name, shape=p.src.shape, src_bytes=p.src.nbytes,
+                                                  dst_bytes=p.nbytes, routes=dict(rep.routes))))
+    return done
+
+
+@dataclasses.dataclass
+class _Runs:
+    """A joined stack's output (:func:`_export_joined`): runs of (the pieces' keys, the tensor holding
+    their bytes in that order), written with one write each where the files lay them out so
+    (:func:`_file_order`), and each key's own tensor for where they do not."""
+
+    runs: list[tuple[list[str], torch.Tensor]]
+    parts: dict[str, torch.Tensor]
+
+
+def _file_order(source: Source, plans: list[TensorPlan]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The output buffers in file order: the plans' keys in order, except that the pieces of one stored
+    tensor batched together (:func:`_batches`) lay out each of their buffers one after another (every
+    piece's weight, then every piece's scale…), so a joined stack writes each with one write."""
+    batch_of = {id(p): b for b in _batches(source, [p for p in plans if p.alias_of is None])
+                if len(b) > 1 and len({len(q.keys) for q in b}) == 1 for p in b}
+    order = []
+    for p in plans:
+        batch = batch_of.get(id(p))
+        if batch is None:
+            order.extend(p.keys)
+        elif p is batch[0]:
+            order.extend(q.keys[j] for j in range(len(p.keys)) for q in batch)
+    return order
+
+
+def _renamed_key(key: str, name: str, new: str) -> str:
+    """Output key ``key`` of tensor ``name``, as tensor ``new``'s (``<name>…`` or ``<prefix>…``)."""
+    if key.startswith(name):
+        return new + key[len(name):]
+    return prefix(new) + key[len(prefix(name)):] if key.startswith(prefix(name)) else key
 
 
 def _dropped(source: Source, spec: ExportSpec | None) -> dict[str, TensorReport]:

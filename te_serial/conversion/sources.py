@@ -158,21 +158,40 @@ class Source:
         it was checked as it was read)."""
         return self.load(name), None
 
-    def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def stream_members(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """Experts ``start`` .. ``stop - 1`` of the grouped tensor ``name``, as a grouped tensor of their
-        own (of a plain 3-D stack: those rows of its first dim)."""
+        own (of a plain 3-D stack: those entries of its first dim), and the check to run once their
+        bytes are written (as :meth:`stream`)."""
         t = self.load(name)
-        return t.member_range(start, stop) if isinstance(t, QuantizedTensorStorage) else t[start:stop]
+        return (t.member_range(start, stop) if isinstance(t, QuantizedTensorStorage) else t[start:stop]), None
+
+    def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """:meth:`stream_members`, checked now."""
+        t, check = self.stream_members(name, start, stop)
+        if check is not None:
+            check()
+        return t
 
     def piece_of(self, name: str) -> str | None:
         """The stored tensor that ``name`` is one piece of (an expert of a stack, or its gate or up), or
-        None: :meth:`load_pieces` reads such pieces together."""
+        None: :meth:`stream_pieces` reads such pieces together."""
         return None
 
-    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+    def stream_pieces(self, names: Sequence[str]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         """The tensors ``names``, pieces of one stored tensor (:meth:`piece_of`) in order: its bytes
-        read once for all of them, not once per piece."""
-        return [self.load(n) for n in names]
+        read once for all of them, not once per piece; and the check to run once they are written
+        (as :meth:`stream`)."""
+        if len(names) == 1:
+            t, check = self.stream(names[0])
+            return [t], check
+        return [self.load(n) for n in names], None
+
+    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """:meth:`stream_pieces`, checked now."""
+        pieces, check = self.stream_pieces(names)
+        if check is not None:
+            check()
+        return pieces
 
     def close(self) -> None:
         for f in self._files.values():
@@ -240,13 +259,8 @@ class TeSerialSource(Source):
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.ckpt.stream(name, verify=self.verify)
 
-    def load_members(self, name: str, start: int, stop: int) -> torch.Tensor:
-        shape = self.tensors[name].shape
-        if self.tensors[name].quantizer is None:   # a plain 3-D stack: those experts' rows
-            per = math.prod(shape[1:-1])
-            return self.ckpt.get(name, verify=self.verify, rows=(start * per, stop * per)).reshape(
-                stop - start, *shape[1:])
-        return self.ckpt.get(name, verify=self.verify, members=(start, stop))  # those experts' bytes only
+    def stream_members(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return self.ckpt.stream(name, verify=self.verify, members=(start, stop))   # those experts' bytes only
 
     def _activation_amax(self) -> dict[str, float]:
         """module → input amax: from TE delayed-scaling state (``<m>._extra_state``'s
@@ -732,7 +746,12 @@ class GroupedView(Source):
         return build_grouped(keys["grouped"], keys["merged"], self._load_part)
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        return self.inner.stream(name) if "grouped" not in self.tensors[name].keys else (self.load(name), None)
+        if "grouped" not in self.tensors[name].keys:
+            return self.inner.stream(name)
+        if self._member_of(name) is None:
+            return self.load(name), None
+        [t], check = self.stream_pieces([name])
+        return t, check
 
     def _member_of(self, name: str) -> tuple[str, int] | None:
         keys = self.tensors[name].keys
@@ -746,15 +765,16 @@ class GroupedView(Source):
         member = self._member_of(name)
         return member[0] if member is not None else None
 
-    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+    def stream_pieces(self, names: Sequence[str]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         if all("grouped" not in self.tensors[n].keys for n in names):
-            return self.inner.load_pieces(names)   # pieces the inner source splits (3-D experts)
+            return self.inner.stream_pieces(names)   # pieces the inner source splits (3-D experts)
         members = [self._member_of(n) for n in names]
         if any(m is None for m in members) or len({m[0] for m in members}) != 1:
-            return [self.load(n) for n in names]
+            return [self.load(n) for n in names], None
         lo, hi = min(i for _, i in members), max(i for _, i in members) + 1
-        stack = self.inner.load_members(members[0][0], lo, hi).members()
-        return [stack[i - lo] for _, i in members]
+        stack, check = self.inner.stream_members(members[0][0], lo, hi)
+        stack = stack.members()
+        return [stack[i - lo] for _, i in members], check
 
     def close(self) -> None:
         self.inner.close()
@@ -938,27 +958,29 @@ class PerExpertView(Source):
 
     def stream(self, name: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         st = self.tensors[name]
-        if "expert_part" in st.keys or name in self._renamed:
-            return self.load(name), None
-        return self.inner.stream(name)
+        if "expert_part" in st.keys:
+            [t], check = self.stream_pieces([name])
+            return t, check
+        return self.inner.stream(self._renamed.get(name, name))
 
     def piece_of(self, name: str) -> str | None:
         part = self.tensors[name].keys.get("expert_part")
         return part.source if part is not None else None
 
-    def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
+    def stream_pieces(self, names: Sequence[str]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         from ..formats.slicing import slice_quantized
         parts = [self.tensors[n].keys.get("expert_part") for n in names]
         if any(p is None for p in parts) or len({p.source for p in parts}) != 1:
-            return [self.load(n) for n in names]
+            return super().stream_pieces(names)
         source = parts[0].source
         lo, hi = min(p.expert for p in parts), max(p.expert for p in parts) + 1
-        stack = self.inner.load_members(source, lo, hi)
+        stack, check = self.inner.stream_members(source, lo, hi)
         if self.inner.tensors[source].quantizer is None:
-            return [stack[p.expert - lo][p.rows[0]:p.rows[1]] if p.rows else stack[p.expert - lo] for p in parts]
+            return [stack[p.expert - lo][p.rows[0]:p.rows[1]] if p.rows else stack[p.expert - lo]
+                    for p in parts], check
         members = stack.members()
         return [slice_quantized(members[p.expert - lo], rows=p.rows) if p.rows else members[p.expert - lo]
-                for p in parts]
+                for p in parts], check
 
     def close(self) -> None:
         self.inner.close()

@@ -297,12 +297,14 @@ def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Ten
     shape = (sum(m for m, _ in dims), k)
     specs = q.describe_buffers(shape)
     along = _row_dim(q)
+    layouts = {s: (region_views(q, s), q.describe_buffers(s)) for s in {s for s, _ in parts}}  # per distinct shape
     pieces = {}
     for name, spec in specs.items():
         regions = []
         for s, bufs in parts:
-            view = region_views(q, s)[name]
-            full = storage_view(q.describe_buffers(s)[name].shape, view)
+            views, stored = layouts[s]
+            view = views[name]
+            full = storage_view(stored[name].shape, view)
             regions.append(_narrow(bufs[name].reshape(full), ((0,) * len(view), view)))
         dim = along.get(name)
         if dim is None:

@@ -79,6 +79,9 @@ class ExternalLayout:
     #: the layout quantizes MoE experts only, written whole (3-D) under transformers' names (gpt-oss);
     #: other layouts take 2-D ``*.weight`` tensors, experts one by one
     experts_only: bool = False
+    #: schemes whose export of a weight is its rows' exports stacked (row-block scales, no per-tensor
+    #: value): a stack's experts are exported as one tensor, then cut by rows (``convert``)
+    row_local: frozenset[str] = frozenset()
 
     # --- naming ------------------------------------------------------------------------------
     @property

@@ -73,6 +73,7 @@ class CompressedTensors(ExternalLayout):
     input_scales = {"nvfp4": ("input_global_scale",), "fp8_tensor": ("input_scale",), "fp8_channel": ("input_scale",)}
     _FP8_MODES = {"weight_only": "FP8 W8A16", "dynamic": "FP8_DYNAMIC (W8A8, per-token activation scales)",
                   "static": "FP8 (W8A8, static per-tensor activation scales)"}
+    row_local = frozenset({"fp8_channel", "fp8_block", "mxfp8", "mxfp4"})
     offers = {
         "fp8_channel": Offer("compressed_tensors_fp8", "compressed-tensors float-quantized FP8 E4M3, one weight scale "
                              "per output channel", _FP8_MODES, fmt="ct_fp8_channel",

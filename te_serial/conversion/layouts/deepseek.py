@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class DeepSeek(ExternalLayout):
     family = "deepseek"
     source_name = "block_fp8_mixed"
+    row_local = frozenset({"fp8_block", "mxfp8"})
     offers = {
         "fp8_block": Offer("deepseek_fp8", "DeepSeek-V3 block FP8: E4M3 weight + fp32 weight_scale_inv per 128x128 "
                            "block", {"dynamic": "dynamic per-token-group FP8"}, aliases=("deepseek",)),

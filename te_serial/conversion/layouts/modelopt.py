@@ -81,6 +81,7 @@ def require_nvfp4_global_scale(name: str, t, layout: str) -> None:
 
 class ModelOpt(ExternalLayout):
     family = "modelopt"
+    row_local = frozenset({"mxfp8", "mxfp4", "fp8_block"})
     offers = {
         "nvfp4": Offer("modelopt_nvfp4", "ModelOpt NVFP4 (hf_quant_config.json): U8 weight, E4M3 weight_scale per 16, "
                        "weight_scale_2 = amax/(6*448)", {"weight_only": "W4A16_NVFP4", "static": "NVFP4"}),
