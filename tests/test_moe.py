@@ -628,21 +628,25 @@ def test_a_stacks_experts_exported_joined_are_what_one_by_one_writes(recipe, lay
     monkeypatch.setattr(core, "_export_joined", lambda *a: taken.append(real_joined(*a)) or taken[-1])
     monkeypatch.setattr(ShardSet, "write_run", lambda self, keys, t: runs.append(real_run(self, keys, t)) or runs[-1])
     rep = ts.convert(tmp_path / "te", tmp_path / "joined", recipe=layout)
-    assert taken and all((t is not None) == joined for t in taken)
+    assert bool(taken) == joined and all(t is not None for t in taken)
     assert runs.count(True) == (2 * len(taken) if joined else 0)   # data and scales: one write each per stack
-    monkeypatch.setattr(core, "_export_joined", lambda *a: None)
+    monkeypatch.setattr(core, "_export_joined", lambda *a: None)   # read joined, then cut back: one by one
+    cut = ts.convert(tmp_path / "te", tmp_path / "cut", recipe=layout)
+    monkeypatch.setattr(core, "_joinable", lambda *a: False)          # read and written one by one
     alone = ts.convert(tmp_path / "te", tmp_path / "alone", recipe=layout)
-    keys, others = _export_files(tmp_path / "joined")
     want_keys, want_others = _export_files(tmp_path / "alone")
-    assert keys.keys() == want_keys.keys() and others == want_others
-    for k, t in want_keys.items():
-        assert keys[k].dtype == t.dtype and keys[k].shape == t.shape and torch.equal(
-            keys[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
-    doc, want = json.loads(rep.to_json()), json.loads(alone.to_json())
-    for d in (doc, want):   # where and how long: the rest is every tensor's report, the notes, the totals
-        d.pop("dst"), d.pop("seconds")
-        d["files"] = [Path(f).name for f in d["files"]]
-    assert doc == want
+    want = json.loads(alone.to_json())
+    for out, got in (("joined", rep), ("cut", cut)):
+        keys, others = _export_files(tmp_path / out)
+        assert keys.keys() == want_keys.keys() and others == want_others, out
+        for k, t in want_keys.items():
+            assert keys[k].dtype == t.dtype and keys[k].shape == t.shape and torch.equal(
+                keys[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (out, k)
+        doc = json.loads(got.to_json())
+        for d in (doc, want):   # where and how long: the rest is every tensor's report, the notes, the totals
+            d.pop("dst", None), d.pop("seconds", None)
+            d["files"] = [Path(f).name for f in d["files"]]
+        assert doc == want, out
     assert any(".experts.3.up_proj" in t.name for t in rep.tensors)
 
 

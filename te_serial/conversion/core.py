@@ -28,7 +28,7 @@ from ..checkpoint.shards import ShardSet
 from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, without_te_serial_config, write_hf_files
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ConversionError, FormatError, ShapeError, TeSerialError
-from ..formats.slicing import join_rows
+from ..formats.slicing import slice_quantized
 from ..formats.tensors import QuantizedTensorStorage
 from ..fusion import architecture_of, checks_scale, fused_groups, groups_for
 from ..proto import TensorProto
@@ -777,20 +777,30 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
     if progress is not None:
         progress(0, total, "")
 
-    def read(batch: list[TensorPlan]) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
+    def read(batch: list[TensorPlan]) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, Callable[[], None] | None]]]:
+        """(a stack's pieces joined, read at once, or None; each piece and its check (None for the
+        joined, whose check comes with the batch's last piece))."""
         names = [p.name for p in batch]
         if any(_computes(p.step) for p in batch):
             pieces = _guarded(source, batch[0], lambda: source.load_pieces(names))
-            return [(to_device(t, dev) if _computes(p.step) else t, None) for p, t in zip(batch, pieces)]
+            return None, [(to_device(t, dev) if _computes(p.step) else t, None) for p, t in zip(batch, pieces)]
         # byte relayouts: the source's pages go to the output as they are, checked once the batch is written
+        if len(batch) > 1 and _joinable(batch, out):
+            got = _guarded(source, batch[0], lambda: source.stream_joined(names))
+            if got is not None:
+                return got[0], [(None, None)] * (len(batch) - 1) + [(None, got[1])]
         pieces, check = _guarded(source, batch[0], lambda: source.stream_pieces(names))
-        return [(t, check if i == len(pieces) - 1 else None) for i, t in enumerate(pieces)]
+        return None, [(t, check if i == len(pieces) - 1 else None) for i, t in enumerate(pieces)]
 
-    def compute(batch: list[TensorPlan], items) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
+    def compute(batch: list[TensorPlan], read) -> list[tuple[torch.Tensor, Callable[[], None] | None]]:
         nonlocal done
+        joined_src, items = read
+        joined = None
+        if joined_src is not None:
+            joined = _guarded(source, batch[0], lambda: _export_joined(source, batch, joined_src, out, stats))
+            if joined is None:   # not the same as one by one after all: the pieces, cut from the joined rows
+                items = [(t, check) for t, (_, check) in zip(_cut_rows(joined_src, batch), items)]
         results = []
-        joined = _guarded(source, batch[0], lambda: _export_joined(source, batch, [t for t, _ in items], out, stats)) \
-            if len(batch) > 1 else None
         for i, (plan, (src, check)) in enumerate(zip(batch, items)):
             if joined is not None:
                 result, reports[plan.name] = joined[i]
@@ -833,35 +843,49 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
     return reports
 
 
-def _export_joined(source: Source, batch: list[TensorPlan], pieces: list[torch.Tensor], out: "_Output",
-                   stats: str) -> list[tuple[dict[str, torch.Tensor], TensorReport]] | None:
-    """A stack's pieces (a batch of :func:`_batches`), byte relayouts into a serving scheme its layout
-    writes row by row (``row_local``), converted and exported as one tensor: their rows joined (the
-    format's exact ``join_rows``), then each output buffer cut back into the pieces' planned keys by
-    rows. The same bytes and reports as piece by piece, without the per-piece work (thousands of
-    experts). Per piece (its buffers, its report); None where any of that does not hold (the caller
-    then goes piece by piece)."""
+def _joinable(batch: list[TensorPlan], out: "_Output") -> bool:
+    """Do a stack's pieces (a batch of :func:`_batches`) go into the output as one tensor cut by rows
+    (:func:`_export_joined`)? Byte relayouts, by one step, into a serving scheme its layout writes row by
+    row (``row_local``: row-block scales, no per-tensor value), without activation or shared scales."""
     first = batch[0]
     spec, step = first.export, first.step
-    if spec is None or out.files is None or _computes(step) or not step.exact \
-            or getattr(source, "import_checks", {}).keys() & {p.name for p in batch}:
-        return None
+    if spec is None or out.files is None or _computes(step) or not step.exact:
+        return False
     scheme = spec.scheme_of(first.name)
-    fused = first.name in spec.schemes   # a fused group's member: its shared scales, recorded (none here)
     keys = {k for k, _, _ in first.keys}
     if scheme not in spec.layout.row_local or spec.mode_of(first.name) == "static" \
-            or (fused and any(prefix(first.name) + k in keys for k in spec.shared_scale_keys(first.name, step.out_q))):
+            or (first.name in spec.schemes
+                and any(prefix(first.name) + k in keys for k in spec.shared_scale_keys(first.name, step.out_q))):
+        return False
+    return all(p.export is spec and p.step == step and spec.scheme_of(p.name) == scheme for p in batch)
+
+
+def _cut_rows(joined: torch.Tensor, batch: list[TensorPlan]) -> list[torch.Tensor]:
+    """The pieces of ``batch`` from their rows joined (exact: the format's row slicing)."""
+    out, at = [], 0
+    for p in batch:
+        rows = p.src.shape[0]
+        out.append(slice_quantized(joined, rows=(at, at + rows)))
+        at += rows
+    return out
+
+
+def _export_joined(source: Source, batch: list[TensorPlan], joined: torch.Tensor, out: "_Output",
+                   stats: str) -> list[tuple[Any, TensorReport]] | None:
+    """A stack's pieces (:func:`_joinable`), read as one tensor of their rows joined, converted and
+    exported as one, then each output buffer cut back into the pieces' planned keys by rows: the same
+    bytes and reports as piece by piece, without the per-piece work (thousands of experts). Per piece
+    (what it writes, its report); None where any of that does not hold (the caller then goes piece by
+    piece)."""
+    first = batch[0]
+    spec = first.export
+    fused = first.name in spec.schemes   # a fused group's member: its shared scales, recorded (none here)
+    if getattr(source, "import_checks", {}).keys() & {p.name for p in batch} \
+            or not isinstance(joined, QuantizedTensorStorage) or joined.device != CPU \
+            or joined.quantizer != first.src.quantizer \
+            or tuple(joined.logical_shape) != (sum(p.src.shape[0] for p in batch), *first.src.shape[1:]):
         return None
-    q = getattr(pieces[0], "quantizer", None)
-    if q is None or any(p.export is not spec or p.step != step or spec.scheme_of(p.name) != scheme
-                        or getattr(t, "quantizer", None) != q or t.device != CPU for p, t in zip(batch, pieces)):
-        return None
-    try:
-        shape, bufs = join_rows(q, [(t.logical_shape, t.buffers()) for t in pieces])
-    except (FormatError, ShapeError):
-        return None
-    joined = q.tensor_class(shape, pieces[0].fake_dtype, q, **bufs)
-    src = dataclasses.replace(first.src, proto=dataclasses.replace(first.src.proto, shape=shape),
+    src = dataclasses.replace(first.src, proto=dataclasses.replace(first.src.proto, shape=tuple(joined.logical_shape)),
                               nbytes=sum(p.src.nbytes for p in batch))
     result, rep, _ = convert_tensor(source, dataclasses.replace(first, src=src), out.family, src=joined, stats=stats)
     if rep.label != LOSSLESS or not isinstance(result, QuantizedTensorStorage):

@@ -186,6 +186,12 @@ class Source:
             return [t], check
         return [self.load(n) for n in names], None
 
+    def stream_joined(self, names: Sequence[str]) -> tuple[torch.Tensor, Callable[[], None] | None] | None:
+        """The pieces ``names`` stacked by rows as one quantized tensor, exactly, read at once, and the
+        check to run once written (as :meth:`stream`), where they are, in order, every row of a range of
+        a stored stack's experts; else None (read them with :meth:`stream_pieces`)."""
+        return None
+
     def load_pieces(self, names: Sequence[str]) -> list[torch.Tensor]:
         """:meth:`stream_pieces`, checked now."""
         pieces, check = self.stream_pieces(names)
@@ -776,6 +782,15 @@ class GroupedView(Source):
         stack = stack.members()
         return [stack[i - lo] for _, i in members], check
 
+    def stream_joined(self, names: Sequence[str]) -> tuple[torch.Tensor, Callable[[], None] | None] | None:
+        if all("grouped" not in self.tensors[n].keys for n in names):
+            return self.inner.stream_joined(names)
+        members = [self._member_of(n) for n in names]
+        if any(m is None for m in members) or len({m[0] for m in members}) != 1 \
+                or [i for _, i in members] != list(range(members[0][1], members[0][1] + len(members))):
+            return None
+        return _joined_members(self.inner, members[0][0], members[0][1], members[0][1] + len(members))
+
     def close(self) -> None:
         self.inner.close()
 
@@ -982,8 +997,37 @@ class PerExpertView(Source):
         return [slice_quantized(members[p.expert - lo], rows=p.rows) if p.rows else members[p.expert - lo]
                 for p in parts], check
 
+    def stream_joined(self, names: Sequence[str]) -> tuple[torch.Tensor, Callable[[], None] | None] | None:
+        parts = [self.tensors[n].keys.get("expert_part") for n in names]
+        if any(p is None for p in parts) or len({p.source for p in parts}) != 1:
+            return None
+        source = parts[0].source
+        rows = self.inner.tensors[source].shape[1]
+        expert, at = parts[0].expert, 0
+        for p in parts:   # every row of experts lo .. hi - 1, in order
+            r0, r1 = p.rows or (0, rows)
+            if p.expert != expert or r0 != at:
+                return None
+            expert, at = (expert + 1, 0) if r1 == rows else (expert, r1)
+        if at:
+            return None
+        return _joined_members(self.inner, source, parts[0].expert, expert)
+
     def close(self) -> None:
         self.inner.close()
+
+
+def _joined_members(source: Source, name: str, start: int, stop: int
+                    ) -> tuple[torch.Tensor, Callable[[], None] | None] | None:
+    """Experts ``start`` .. ``stop - 1`` of the quantized stack ``name``, their rows joined into one
+    tensor (None where its format does not join them exactly), and their check (as :meth:`Source.stream`)."""
+    if source.tensors[name].quantizer is None:
+        return None
+    stack, check = source.stream_members(name, start, stop)
+    try:
+        return stack.rows_joined(), check
+    except (FormatError, ShapeError):
+        return None
 
 
 def split_experts(source: Source) -> Source:

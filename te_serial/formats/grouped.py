@@ -348,8 +348,8 @@ class GroupedQuantizer(Quantizer):
                 and self.member.derives_by_table(out.member, usage))
 
     def refused_value(self, buffers):
-        if self.member is None:
-            return None
+        if self.member is None or type(self.member).refused_value is Quantizer.refused_value:
+            return None   # a member format that refuses no value: no pass over the members
         grouped_name = {m: g for g, m in self._lay().member_name.items()}
         for i, m in enumerate(self.split_buffers(buffers, internal=True)):
             bad = self.member.refused_value(m.buffers())
@@ -539,6 +539,17 @@ class GroupedTensorStorage(QuantizedTensorStorage):
         part, spans = self._quantizer.member_span(start, stop)
         bufs = {g: b[spans[g][0]:spans[g][0] + spans[g][1]] for g, b in self.buffers().items()}
         return type(self)(part.group_shape, self._fake_dtype, part, **bufs)
+
+    def rows_joined(self) -> QuantizedTensorStorage:
+        """The members stacked by rows as one tensor of the member format, exactly (the format's
+        ``join_rows``; data buffers are views where they lie in order): a stack's experts written as
+        one. :class:`~te_serial.FormatError` where the members are plain or stored transposed, or
+        their rows do not end on the format's row blocks."""
+        q = self._quantizer
+        if q.member is None or q.transposed:
+            raise FormatError("only quantized members stored (out, in) join by rows")
+        shape, bufs = q._joined(self.buffers())
+        return q.member.tensor_class(shape, self._fake_dtype, q.member, **bufs)
 
     @classmethod
     def from_members(cls, tensors: Sequence[Any], *, requires_grad: bool = False) -> "GroupedTensorStorage":
