@@ -451,3 +451,34 @@ def test_streamed_members_are_views_of_their_bytes_and_checked_once_written(tmp_
         _, check = ckpt.stream("e.experts.w.weight", members=(0, 1))
         with pytest.raises(ChecksumError):
             check()
+
+
+@pytest.mark.parametrize("qname", [q for q in MEMBER_QUANTIZERS if q != "bf16"])
+@pytest.mark.parametrize("rows", [128, 64, 32])
+def test_rows_joined_is_join_rows_of_the_members_and_views_where_the_packing_is_the_join(qname, rows):
+    """``GroupedTensorStorage.rows_joined``: the members stacked by rows as one tensor of the member
+    format, equal to ``join_rows`` of the members (the reference); where every buffer runs along the
+    rows unpadded (``stacks_flat``), its buffers are the packed grouped buffers themselves (views), and
+    otherwise (padded scale grids, columnwise copies, a per-tensor scale) the general join, or the
+    format's refusal when rows would mix (a tensor-wide value differing between members)."""
+    from te_serial.formats.slicing import join_rows, stacks_flat
+    q = MEMBER_QUANTIZERS[qname]()
+    torch.manual_seed(rows)
+    members = [q(make_input(INPUT_KINDS[i % len(INPUT_KINDS)], (rows, 256), torch.bfloat16, i) * (i + 1))
+               for i in range(4)]
+    g = G.from_members(members)
+    try:
+        want_shape, want = join_rows(q, [(m.logical_shape, m.buffers()) for m in members])
+    except (FormatError, ShapeError) as e:
+        with pytest.raises(type(e)):
+            g.rows_joined()
+        return
+    got = g.rows_joined()
+    assert tuple(got.logical_shape) == want_shape and got.quantizer == q
+    for n, t in want.items():
+        assert same_bits(got.buffers()[n], t), n
+    flat = stacks_flat(q, (rows, 256), 4)
+    packed = {t.untyped_storage().data_ptr() for t in g.buffers().values()}
+    assert all(t.untyped_storage().data_ptr() in packed for t in got.buffers().values()) == flat
+    if qname == "mxfp8":   # 128 rows: scale grids unpadded, packed = joined; 64: rowwise grids padded to 128
+        assert flat == (rows == 128)

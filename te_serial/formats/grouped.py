@@ -433,7 +433,13 @@ class GroupedQuantizer(Quantizer):
     def _joined(self, buffers: Mapping[str, torch.Tensor]) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
         """(shape, buffers) of the stack as one [E × out, in] tensor of the member format (its members'
         rows joined: data buffers as views where they lie in order)."""
-        from .slicing import join_rows
+        from .slicing import join_rows, stacks_flat
+        rows, cols = self.member_shapes[0]
+        if self._stacked() and stacks_flat(self.member, (rows, cols), self.num_tensors):
+            whole = (self.num_tensors * rows, cols)   # the packed buffers are the joined ones: views
+            specs, lay = self.member.describe_buffers(whole), self._lay()
+            return whole, {m: buffers[g].view(specs[m].dtype).reshape(specs[m].shape)
+                           for g, m in lay.member_name.items()}
         return join_rows(self.member, [(m.logical_shape, m.buffers())
                                        for m in self.split_buffers(buffers, internal=True)])
 

@@ -279,6 +279,19 @@ def check_row_join(q: Quantizer, row_counts) -> None:
                               "stacked, its last block would mix rows of two parts (requantizing)")
 
 
+def stacks_flat(q: Quantizer, shape, count: int) -> bool:
+    """Are ``count`` tensors of ``shape`` (2-D), stacked by rows, buffer by buffer one after another,
+    the buffers of their rows joined (:func:`join_rows`) as they are? So where every buffer runs along
+    the rows in its first dim and has no padding, and the rows end on the format's row blocks."""
+    m, k = flatten_2d(tuple(int(d) for d in shape))
+    if count > 1 and m % q.slice_alignment()[0]:
+        return False
+    along, views = _row_dim(q), region_views(q, (m, k))
+    specs, whole = q.describe_buffers((m, k)), q.describe_buffers((count * m, k))
+    return all(along.get(n) == 0 and tuple(views[n]) == tuple(spec.shape) and len(spec.shape) >= 1
+               and tuple(whole[n].shape) == (count * spec.shape[0], *spec.shape[1:]) for n, spec in specs.items())
+
+
 def join_rows(q: Quantizer, parts) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
     """(shape, buffers) of the tensors ``parts`` (``(shape, buffers)`` pairs of one quantizer, equal
     column counts) stacked along rows, exactly: the inverse of slicing by rows (a fused gate/up
