@@ -336,3 +336,36 @@ def test_compiled_comparison_gives_the_eager_figures(case, monkeypatch):
     assert got.rel_rmse == pytest.approx(want.rel_rmse, rel=1e-4)
     assert got.snr_db == pytest.approx(want.snr_db, rel=1e-4, abs=1e-6)
     assert not fused.failures()
+
+
+def test_a_conversion_runs_with_the_process_objects_frozen_for_the_gc(tmp_path):
+    """``convert`` runs with what the process held before frozen for the cyclic GC (a MoE's thousands of
+    per-expert objects would otherwise set off full passes over a heap as large as transformers'), and
+    unfreezes it after, also when it fails; a process that froze objects itself keeps its freeze."""
+    import gc
+    from te_serial.checkpoint.header import old_objects_frozen
+    save_file({"w": randn(64, 64)}, tmp_path / "m.safetensors")
+    held = []
+    real = core.open_source
+    core_open = lambda *a, **kw: held.append(gc.get_freeze_count()) or real(*a, **kw)   # noqa: E731
+    try:
+        core.open_source = core_open
+        ts.convert(tmp_path / "m.safetensors", tmp_path / "out.safetensors", recipe="mxfp8")
+        with pytest.raises(tse.TeSerialError):   # fails inside, once the source is open
+            ts.convert(tmp_path / "m.safetensors", tmp_path / "bad.safetensors", recipe="no_such_recipe")
+    finally:
+        core.open_source = real
+    assert len(held) == 2 and all(n > 0 for n in held) and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        with old_objects_frozen():
+            assert gc.get_freeze_count() > 0
+            raise RuntimeError("fails inside")
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with old_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == before   # the caller's own freeze, left as it was
+    finally:
+        gc.unfreeze()

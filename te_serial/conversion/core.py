@@ -23,7 +23,7 @@ import torch
 
 from ..checkpoint.manifest import MANIFEST_NAME, SELF_FILE, buffer_key, expected_buffers
 from ..checkpoint.fileops import atomic_write, fsync_path, writing
-from ..checkpoint.header import SHARD_METADATA
+from ..checkpoint.header import SHARD_METADATA, old_objects_frozen
 from ..checkpoint.shards import ShardSet
 from ..checkpoint.writer import CheckpointWriter, hf_config_for, parse_size, without_te_serial_config, write_hf_files
 from ..dtypes import dtype_from_name
@@ -334,12 +334,18 @@ def plan_conversion(source: Source, *, recipe: str | None = None, rules=None, dt
     module_state = getattr(source, "extra_state_tensors", set()) if family in LAYOUTS else set()
     steps: list[tuple[str, SourceTensor, Step]] = []
     scheme_of: dict[str, str] = {}
+    # a step depends on the tensor's name only through these two (a MoE's thousands of experts share few)
+    planned: dict[tuple, tuple[Step, str | None]] = {}
     for name, st in source.tensors.items():
         if name in module_state:
             continue  # TE module state (amax history…): not a weight; its activation amax is used below
         value, explicit = r.lookup(name, st.shape)
-        step, scheme = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use, schemes,
-                                  _file_of(source, st))
+        key = (st.proto, st.fmt, st.uniform_rows, value, explicit, is_expert_weight(name, st.shape),
+               name == "weight" or name.endswith(".weight"))
+        if key not in planned:
+            planned[key] = _plan_step(st, value, explicit, family, keep_dtype if value == KEEP else dtype, use,
+                                      schemes, _file_of(source, st))
+        step, scheme = planned[key]
         steps.append((name, st, step))
         if scheme is not None and step.out_q is not None:
             scheme_of[name] = scheme
@@ -670,7 +676,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, recipe: str | Non
     src_path, dst_path = Path(src), Path(dst)
     limit = parse_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
-    with open_source(src_path, dtype=out_dtype) as source:
+    with old_objects_frozen(), open_source(src_path, dtype=out_dtype) as source:
         source = _grouped_view(source, grouped, rules, recipe)
         family, spec, plans = plan_conversion(source, recipe=recipe, rules=rules, dtype=out_dtype, usages=usages,
                                               activations=activations, activation_amax=activation_amax, fused=fused)

@@ -930,11 +930,16 @@ class PerExpertView(Source):
         split = {p.source for p in self._parts.values()}
         self._renamed: dict[str, str] = {}
         self.tensors = {}
+        parts_of: dict[str, list] = {}
+        for out, part in self._parts.items():
+            parts_of.setdefault(part.source, []).append((out, part))
         for name, st in inner.tensors.items():
             if name in split:
-                for out, part in self._parts.items():
-                    if part.source == name:
-                        self.tensors[out] = self._part_tensor(out, st, part)
+                made: dict[tuple | None, SourceTensor] = {}   # one prototype per row range, for every expert
+                for out, part in parts_of[name]:
+                    like = made.get(part.rows)
+                    self.tensors[out] = made[part.rows] = self._part_tensor(out, st, part) if like is None else \
+                        dataclasses.replace(like, name=out, keys={"expert_part": part})
                 continue
             new = checkpoint_name(name, arch)
             if new in self.tensors or (new != name and new in inner.tensors):
