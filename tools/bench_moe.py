@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -154,6 +155,7 @@ def paths(args) -> None:
                 for kind, (arch, kw) in _configs(args.gib).items():  # alternated, dense and MoE
                     for old in (".again", ".export"):
                         shutil.rmtree(work / f"{kind}_te{old}", ignore_errors=True)
+                    os.sync()   # the last run's deletions and writeback land before this one, not in it
                     out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO), mode, arch, json.dumps(kw),
                                           str(work / f"{kind}_bf16"), str(work / f"{kind}_te"), args.recipe],
                                          capture_output=True, text=True, check=True)
