@@ -327,13 +327,13 @@ class Checkpoint:
             self._check(tname, bname, f, t, expected)
         return t
 
-    def _verify_piece(self, tname: str, bname: str, pc: StoredPiece) -> None:
-        """Check a whole stored piece once per open checkpoint, through a mapping of its own pages let
-        go after (reading a grouped tensor's experts one by one, or a tensor's slices, would otherwise
-        check, and keep resident, its whole buffer at every read)."""
+    def _verify_piece(self, tname: str, bname: str, pc: StoredPiece, data: torch.Tensor | None = None) -> None:
+        """Check a whole stored piece once per open checkpoint, from ``data`` (its bytes, already mapped)
+        or through a mapping of its own pages let go after (reading a grouped tensor's experts one by
+        one, or a tensor's slices, would otherwise check, and keep resident, its whole buffer at every read)."""
         if (pc.file, pc.key) not in self._verified:
             f = self._file(pc.file)
-            self._check(tname, bname, f, f.mapped(pc.key, own=True), pc.checksum)
+            self._check(tname, bname, f, data if data is not None else f.mapped(pc.key, own=True), pc.checksum)
             self._verified.add((pc.file, pc.key))
 
     @staticmethod
@@ -422,17 +422,19 @@ class Checkpoint:
             out = self._build(proto, dict(raw))
         else:
             part, boxes = self._member_boxes(name, members)
-            views = {buf.name: _narrow(raw[buf.name].reshape(buf.pieces[0].array), *boxes[buf.name])
-                     for buf in self.pieces(name)}
-            out = self._assemble_members(name, part, views)
+            bufs = self.pieces(name)
+            out = self._assemble_members(name, part, {buf.name: _narrow(raw[buf.name].reshape(buf.pieces[0].array),
+                                                                        *boxes[buf.name]) for buf in bufs})
         if not verify:
             return out, None
 
         def check() -> None:
+            if members is not None:   # a range of experts: each whole stored buffer once per open
+                for buf in bufs:
+                    self._verify_piece(name, buf.name, buf.pieces[0], raw[buf.name])
+                return
             for b, f, k, _, _, c in where:
-                if members is None or (f, k) not in self._verified:
-                    self._check(name, b, self._file(f), raw[b], c)
-                    self._verified.add((f, k))
+                self._check(name, b, self._file(f), raw[b], c)
         return out, check
 
     def get(self, name: str, device: str | torch.device = "cpu", *, verify: bool = False,

@@ -439,16 +439,22 @@ class _Output:
         if self.writer is not None:
             return out
         blobs = export_buffers(self.family, plan.name, out, plan.export)
-        if plan.export is not None and isinstance(out, QuantizedTensorStorage):
-            # an exact path keeps the source's rowwise bytes: record the source's own quantizer
-            self.sidecar[plan.name] = sidecar_entry(out, plan.src.quantizer if plan.step.exact else None)
         if set(blobs) != {k for k, _, _ in plan.keys}:
             raise ConversionError(f"output buffers {sorted(blobs)} differ from the plan "
                                   f"{sorted(k for k, _, _ in plan.keys)}", tensor=plan.name)
+        # an exact path keeps the source's rowwise bytes: record the source's own quantizer
+        self.record(plan, sidecar_entry(out, plan.src.quantizer if plan.step.exact else None)
+                    if plan.export is not None and isinstance(out, QuantizedTensorStorage) else None, blobs)
+        return blobs
+
+    def record(self, plan: TensorPlan, entry: dict | None, blobs: Mapping[str, torch.Tensor]) -> None:
+        """Keep what the commit needs of one exported weight: its sidecar ``entry``, and the scales a
+        fused group's members must share (checked once all are written)."""
+        if entry is not None:
+            self.sidecar[plan.name] = entry
         if plan.export is not None and plan.name in plan.export.schemes:
             keys = plan.export.shared_scale_keys(plan.name, plan.step.out_q)
             self.shared[plan.name] = {k: blobs[prefix(plan.name) + k].clone() for k in keys if prefix(plan.name) + k in blobs}
-        return blobs
 
     def write(self, plan: TensorPlan, prepared: "torch.Tensor | dict[str, torch.Tensor] | _Runs") -> None:
         """Write what :meth:`prepare` (or :func:`_export_joined`) made of one tensor."""
@@ -885,7 +891,6 @@ def _export_joined(source: Source, batch: list[TensorPlan], joined: torch.Tensor
     piece)."""
     first = batch[0]
     spec = first.export
-    fused = first.name in spec.schemes   # a fused group's member: its shared scales, recorded (none here)
     if getattr(source, "import_checks", {}).keys() & {p.name for p in batch} \
             or not isinstance(joined, QuantizedTensorStorage) or joined.device != CPU \
             or joined.quantizer != first.src.quantizer \
@@ -915,9 +920,7 @@ def _export_joined(source: Source, batch: list[TensorPlan], joined: torch.Tensor
     entry = sidecar_entry(result, first.src.quantizer)
     done: list[tuple[Any, TensorReport]] = []
     for p in batch:
-        out.sidecar[p.name] = dict(entry)
-        if fused:
-            out.shared[p.name] = {}
+        out.record(p, dict(entry), {key: parts[key] for key, _, _ in p.keys})
         # the first piece carries the whole batch's writes (one per joined buffer), the others none
         written = _Runs([(keys, blobs[k]) for k, keys in runs.items()], parts) if not done else {}
         done.append((written, dataclasses.replace(rep, name=p.name, shape=p.src.shape, src_bytes=p.src.nbytes,
