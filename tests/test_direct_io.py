@@ -1,7 +1,8 @@
 """When a save writes direct (``te_serial.checkpoint.direct_io``): the rule, on real file systems.
 
 Buffered unless the checkpoint outgrows the page cache it can count on, on a file system that is
-not memory-backed and whose direct writes keep up (a probe, once per file system); the
+not memory-backed and whose direct writes keep up (a probe, once per file system); a buffered save
+whose page cache falls behind the probe's direct writes goes direct for the rest; the
 ``TE_SERIAL_DIRECT_IO`` setting forces either.
 """
 
@@ -31,23 +32,27 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(direct_io, "_file_systems", {})
 
 
+FAST_DIRECT, SLOW_DIRECT = direct_io.Rates(1e9, 2e9), direct_io.Rates(2e9, 1e9)
+
+
 class _Probe:
     def __init__(self, verdict: bool) -> None:
-        self.verdict, self.calls = verdict, 0
+        self.rates, self.calls = {True: FAST_DIRECT, False: SLOW_DIRECT, None: None}[verdict], 0
 
-    def __call__(self) -> bool:
+    def __call__(self) -> direct_io.Rates:
         self.calls += 1
-        return self.verdict
+        return self.rates
 
 
 @pytest.mark.parametrize("fs, total, verdict, want, probed", [
     (DISK, GIB, True, False, 0),          # fits in the page cache: buffered, no probe
     (DISK, 8 * GIB, True, True, 1),       # outgrows it: the probe decides
     (DISK, 8 * GIB, False, False, 1),
+    (DISK, 8 * GIB, None, False, 1),      # the probe failed: buffered
     (TMPFS, 8 * GIB, True, False, 0),     # memory-backed: nothing to bypass
     (NO_DIRECT, 8 * GIB, True, False, 0),
 ])
-def test_the_rule(fs, total, verdict, want, probed):
+def test_the_rule(fs, total, verdict: bool | None, want, probed):
     probe = _Probe(verdict)
     assert direct_io.decide(fs, total, 2 * GIB, probe) is want
     assert probe.calls == probed
@@ -108,23 +113,98 @@ def test_a_large_checkpoint_on_a_disk_follows_the_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)  # nothing fits
     made = _count_direct_files(monkeypatch)
     calls = []
-    monkeypatch.setattr(direct_io, "_direct_wins", lambda d: calls.append(d) or True)
+    monkeypatch.setattr(direct_io, "_measure", lambda d: calls.append(d) or FAST_DIRECT)
     _save_and_check(tmp_path / "a", _state())
     _save_and_check(tmp_path / "b", _state())
     memory = fs.fstype in direct_io.MEMORY_FILE_SYSTEMS
     assert len(calls) == (0 if memory or not fs.direct else 1)  # probed once, then remembered
     assert bool(made) == (fs.direct and not memory)
     monkeypatch.setattr(direct_io, "_probes", {})
-    monkeypatch.setattr(direct_io, "_direct_wins", lambda d: False)
+    monkeypatch.setattr(direct_io, "_measure", lambda d: SLOW_DIRECT)
     made.clear()
     _save_and_check(tmp_path / "c", _state())
     assert made == []
 
 
 def test_the_probe_measures_both_ways_and_leaves_nothing(tmp_path):
-    verdict = direct_io._direct_wins(tmp_path)
-    assert isinstance(verdict, bool)
+    fd = direct_io._scratch(tmp_path)   # nameless while open: a process killed mid-probe leaves nothing
+    try:
+        assert os.write(fd, b"x") == 1 and list(tmp_path.iterdir()) == []
+    finally:
+        os.close(fd)
+    rates = direct_io._measure(tmp_path)
+    if direct_io.file_system(tmp_path).direct:
+        assert rates.buffered > 0 and rates.direct > 0 and rates.direct_wins == (rates.direct >= 0.9 * rates.buffered)
+    else:
+        assert rates is None   # the direct half refused
     assert list(tmp_path.iterdir()) == []
+
+
+def _watch(monkeypatch, direct_rate: float | None) -> direct_io.PageCacheWatch:
+    probes = []
+    rates = None if direct_rate is None else direct_io.Rates(1e9, direct_rate)
+    monkeypatch.setattr(direct_io, "_probe", lambda d, dev: probes.append(d) or rates)
+    watch = direct_io.PageCacheWatch(Path("."), 1)
+    watch.probes = probes
+    return watch
+
+
+def test_a_watch_turns_direct_once_its_latest_writes_fell_behind_the_disk(monkeypatch):
+    """The window is the latest WATCH_BYTES of timed writes: fast ones before it do not hide a slow
+    run, nothing is decided (or probed) before a window is full, and the verdict then stays."""
+    mib = 1 << 20
+    piece = direct_io.WATCH_BYTES // 4
+    watch = _watch(monkeypatch, direct_rate=1e9)
+    for i in range(3):
+        assert not watch.timed(piece, piece / 4e9) and watch.probes == [], i   # not a window yet
+    assert not watch.timed(piece, piece / 4e9) and len(watch.probes) == 1    # a window at 4 GB/s
+    # one write at 0.5 GB/s: the window is 3 at 4 GB/s and it, 1.5 GB/s in all; a second: 0.9 GB/s
+    assert not watch.timed(piece, piece / 0.5e9)
+    assert watch.timed(piece, piece / 0.5e9)
+    assert watch.timed(mib, mib / 100e9) and watch.direct   # stays direct
+    steady = _watch(monkeypatch, direct_rate=1e9)
+    assert not any(steady.timed(piece, piece / 1.2e9) for _ in range(12))   # keeps up: buffered throughout
+    failed = _watch(monkeypatch, direct_rate=None)          # no probe verdict: buffered
+    assert not any(failed.timed(piece, piece / 1e6) for _ in range(8))
+
+
+def test_which_saves_are_watched(tmp_path, monkeypatch):
+    fs = direct_io.file_system(tmp_path)
+    watched = fs.direct and fs.fstype not in direct_io.MEMORY_FILE_SYSTEMS
+    assert (direct_io.page_cache_watch(tmp_path / "not" / "made") is not None) == watched
+    for setting in ("0", "1"):   # a forced choice is never second-guessed
+        monkeypatch.setenv(direct_io.DIRECT_IO_ENV, setting)
+        assert direct_io.page_cache_watch(tmp_path) is None
+
+
+def _big_state():
+    g = torch.Generator().manual_seed(5)
+    return {"a": torch.randn(1000, 1031, generator=g).to(torch.bfloat16),   # odd sizes: unaligned offsets
+            "w": ts.MXFP8Quantizer()(torch.randn(1024, 2048, generator=g)),
+            "b": torch.randn(777, generator=g)}
+
+
+@pytest.mark.parametrize("direct_rate, goes_direct", [(1e18, True), (1.0, False)])
+def test_a_save_whose_page_cache_falls_behind_goes_direct_part_way(tmp_path, monkeypatch, direct_rate, goes_direct):
+    """Buffered writes are timed piece by piece; once the window is slower than the disk (here: a disk
+    said to be infinitely fast), the rest of the save, from inside the buffer being written, goes
+    direct. The bytes are the same either way."""
+    fs = direct_io.file_system(tmp_path)
+    watched = fs.direct and fs.fstype not in direct_io.MEMORY_FILE_SYSTEMS
+    monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(shards, "_WATCHED_PIECE", 256 << 10)
+    monkeypatch.setattr(direct_io, "WATCH_BYTES", 512 << 10)
+    monkeypatch.setattr(direct_io, "_measure", lambda d: direct_io.Rates(1e9, direct_rate))
+    made = _count_direct_files(monkeypatch)
+    pieces = []
+    real = shards.pwrite_all
+    monkeypatch.setattr(shards, "pwrite_all", lambda fd, view, off: pieces.append(len(view)) or real(fd, view, off))
+    _save_and_check(tmp_path / "ckpt", _big_state())
+    assert bool(made) == (watched and goes_direct)
+    if watched and goes_direct:   # two timed pieces filled the window, then the first buffer went on direct
+        assert pieces[:2] == [256 << 10] * 2 and sum(pieces) < 2_100_000
+    elif watched:
+        assert pieces.count(256 << 10) > 8   # every large buffer in timed pieces, all buffered
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
@@ -136,7 +216,7 @@ def test_tmpfs_is_written_buffered_however_large(monkeypatch):
         assert fs.fstype == "tmpfs"
         monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
         monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)
-        monkeypatch.setattr(direct_io, "_direct_wins", lambda d: pytest.fail("probed a tmpfs"))
+        monkeypatch.setattr(direct_io, "_measure", lambda d: pytest.fail("probed a tmpfs"))
         made = _count_direct_files(monkeypatch)
         _save_and_check(work / "ckpt", _state())
         assert made == []
@@ -174,6 +254,6 @@ def test_an_ext4_loop_mount(ext4_loop, monkeypatch):
     _save_and_check(ext4_loop / "small", _state())
     assert made == []  # fits the cache
     monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)
-    verdict = direct_io._probe(ext4_loop, fs.device)   # the real probe on the loop device
+    rates = direct_io._probe(ext4_loop, fs.device)   # the real probe on the loop device
     _save_and_check(ext4_loop / "large", _state())
-    assert bool(made) == verdict
+    assert bool(made) == rates.direct_wins

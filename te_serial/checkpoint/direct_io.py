@@ -11,10 +11,18 @@ So, unless ``TE_SERIAL_DIRECT_IO=1`` / ``=0`` forces a choice:
 3. otherwise a short probe of the file system (buffered + fsync against direct, a few MiB in the
    checkpoint's directory, once per file system per process): direct where it is at least
    :data:`DIRECT_MARGIN` as fast.
+
+A save that starts buffered on such a file system is watched (:class:`PageCacheWatch`): once its
+last :data:`WATCH_BYTES` of large writes went into the page cache slower than the probe wrote
+direct, the rest of the save writes direct. The cache is worth keeping only while it takes the
+bytes faster than the disk: memory the kernel must first get back from a hypervisor (a VM whose
+balloon reports free pages takes ~3 µs per 4 KiB page touched anew: 0.35 GB/s) or writeback
+throttling of piled-up dirty pages make it slower, and no probe of a few MiB sees either coming.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
@@ -31,9 +39,25 @@ MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
 PROBE_BYTES = 16 << 20
 #: direct is chosen when its probe throughput is at least this fraction of the buffered one
 DIRECT_MARGIN = 0.9
+#: a watched save goes direct once this many bytes of its latest large buffered writes, timed
+#: together, went into the page cache slower than the probe's direct writes
+WATCH_BYTES = 32 << 20
 _BLOCK = 4096
 
-_probes: dict[int, bool] = {}   # st_dev → the probe's verdict (direct wins), for this process
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the probe measured, in bytes per second: buffered writes + fsync, and direct ones."""
+
+    buffered: float
+    direct: float
+
+    @property
+    def direct_wins(self) -> bool:
+        return self.direct >= DIRECT_MARGIN * self.buffered
+
+
+_probes: dict[int, Rates | None] = {}   # st_dev → the probe's rates (None: it failed), for this process
 _file_systems: dict[int, "FileSystem"] = {}   # st_dev → what was found there, for this process
 _lock = threading.Lock()
 
@@ -84,17 +108,27 @@ def _fstype(directory: Path, device: int) -> str:
     return by_prefix
 
 
+def _scratch(directory: Path, flags: int = 0) -> int:
+    """An open file in ``directory`` that no name leads to, so a process killed while it writes
+    leaves nothing behind: ``O_TMPFILE`` where the file system has it, else a name unlinked at once."""
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(directory, os.O_TMPFILE | os.O_WRONLY | flags, 0o600)
+        except OSError:
+            pass
+    path = directory / f".te-serial-probe-{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o600)
+    path.unlink(missing_ok=True)
+    return fd
+
+
 def _opens_direct(directory: Path) -> bool:
     if not hasattr(os, "O_DIRECT"):
         return False
-    path = directory / f".te-serial-probe-{secrets.token_hex(4)}"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        os.close(_scratch(directory, os.O_DIRECT))
     except OSError:
-        path.unlink(missing_ok=True)
         return False
-    os.close(fd)
-    path.unlink(missing_ok=True)
     return True
 
 
@@ -120,47 +154,97 @@ def forced() -> bool | None:
 
 def decide(fs: FileSystem, total_bytes: int, budget: int, probe=None) -> bool:
     """The choice for a checkpoint of ``total_bytes`` on ``fs`` with ``budget`` bytes of page
-    cache (the rule in the module docstring); ``probe()`` runs only where it decides."""
-    force = forced()
-    if not fs.direct or force is False:
+    cache (the rule in the module docstring); ``probe()`` (the file system's :class:`Rates`, or
+    None) runs only where it decides."""
+    if not _may_go_direct(fs):
         return False
-    if force:
+    if forced():
         return True
-    if fs.fstype in MEMORY_FILE_SYSTEMS or total_bytes <= budget:
+    if total_bytes <= budget:
         return False
-    return bool(probe()) if probe is not None else False
+    rates = probe() if probe is not None else None
+    return rates is not None and rates.direct_wins
+
+
+def _may_go_direct(fs: FileSystem) -> bool:
+    """Whether any write there can be direct: O_DIRECT taken, not forced off, and either forced on
+    or a file system that keeps its files on a device."""
+    force = forced()
+    return fs.direct and force is not False and (force or fs.fstype not in MEMORY_FILE_SYSTEMS)
+
+
+def _where(directory: Path) -> Path:
+    """The directory a save into ``directory`` lands in: itself, or the nearest one above that exists."""
+    directory = Path(directory)
+    while not directory.is_dir() and directory.parent != directory:  # not made yet: where it will be
+        directory = directory.parent
+    return directory
 
 
 def use_direct_io(directory: Path, total_bytes: int) -> bool:
     """Whether a save of ``total_bytes`` into ``directory`` writes its whole blocks with O_DIRECT."""
     if forced() is False or not hasattr(os, "O_DIRECT"):
         return False
-    directory = Path(directory)
-    while not directory.is_dir() and directory.parent != directory:  # not made yet: where it will be
-        directory = directory.parent
+    directory = _where(directory)
     fs = file_system(directory)
     return decide(fs, total_bytes, cache_budget(), probe=lambda: _probe(directory, fs.device))
 
 
-def _probe(directory: Path, device: int) -> bool:
-    """Buffered + fsync against direct writes of :data:`PROBE_BYTES` here (once per file system)."""
+def page_cache_watch(directory: Path) -> "PageCacheWatch | None":
+    """The watch over a buffered save into ``directory``, or None where it could never go direct
+    (no O_DIRECT, a memory-backed file system, or ``TE_SERIAL_DIRECT_IO`` set either way)."""
+    if forced() is not None or not hasattr(os, "O_DIRECT"):
+        return None
+    directory = _where(directory)
+    fs = file_system(directory)
+    return PageCacheWatch(directory, fs.device) if _may_go_direct(fs) else None
+
+
+class PageCacheWatch:
+    """Times one save's large buffered writes; :attr:`direct` turns True (and stays) once the last
+    :data:`WATCH_BYTES` of them went into the page cache slower than the file system's probe
+    wrote direct (the module docstring says why). Shared by the save's writing threads."""
+
+    def __init__(self, directory: Path, device: int) -> None:
+        self.directory, self.device = directory, device
+        self.direct = False
+        self._window: collections.deque[tuple[int, float]] = collections.deque()
+        self._bytes, self._seconds = 0, 0.0
+        self._lock = threading.Lock()
+
+    def timed(self, nbytes: int, seconds: float) -> bool:
+        """Record a buffered write of ``nbytes`` that took ``seconds``; whether the save goes direct now."""
+        with self._lock:
+            if self.direct:
+                return True
+            self._window.append((nbytes, seconds))
+            self._bytes, self._seconds = self._bytes + nbytes, self._seconds + seconds
+            while self._bytes - self._window[0][0] >= WATCH_BYTES:
+                n, t = self._window.popleft()
+                self._bytes, self._seconds = self._bytes - n, self._seconds - t
+            if self._bytes >= WATCH_BYTES:
+                rates = _probe(self.directory, self.device)
+                self.direct = rates is not None and self._bytes < rates.direct * self._seconds
+            return self.direct
+
+
+def _probe(directory: Path, device: int) -> Rates | None:
+    """The :class:`Rates` of buffered + fsync and of direct writes of :data:`PROBE_BYTES` here
+    (measured once per file system per process; None where a write was refused)."""
     with _lock:
-        verdict = _probes.get(device)
-        if verdict is None:
-            verdict = _probes[device] = _direct_wins(directory)
-        return verdict
+        if device not in _probes:
+            _probes[device] = _measure(directory)
+        return _probes[device]
 
 
-def _direct_wins(directory: Path) -> bool:
+def _measure(directory: Path) -> Rates | None:
     data = mmap.mmap(-1, PROBE_BYTES)            # page-aligned, as O_DIRECT needs
     data.write(secrets.token_bytes(_BLOCK) * (PROBE_BYTES // _BLOCK))
-    path = directory / f".te-serial-probe-{secrets.token_hex(4)}"
     try:
         timings = {}
         for direct in (False, True):
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
             start = time.perf_counter()
-            fd = os.open(path, flags, 0o600)
+            fd = _scratch(directory, os.O_DIRECT if direct else 0)
             try:
                 with memoryview(data) as view:
                     done = 0
@@ -169,11 +253,9 @@ def _direct_wins(directory: Path) -> bool:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            timings[direct] = time.perf_counter() - start
-            path.unlink()
-        return timings[True] * DIRECT_MARGIN <= timings[False]
+            timings[direct] = max(time.perf_counter() - start, 1e-9)
+        return Rates(PROBE_BYTES / timings[False], PROBE_BYTES / timings[True])
     except OSError:
-        return False
+        return None
     finally:
-        path.unlink(missing_ok=True)
         data.close()

@@ -5,7 +5,9 @@
   it over the limit, and goes over only when a single buffer is larger than the limit (it then
   stands alone).
 * Large files are written a block at a time with ``O_DIRECT`` where :mod:`.direct_io` chooses it
-  (:class:`_DirectBlocks`), the rest through the page cache, whose writeback starts at once.
+  (:class:`_DirectBlocks`), the rest through the page cache, whose writeback starts at once; a
+  buffered save whose page cache falls behind the disk goes direct for the rest
+  (:class:`.direct_io.PageCacheWatch`).
 * Files are written under temporary names (:data:`~.fileops.TMP_PREFIX`), fsync'd, renamed into
   place; the caller's manifest (or index) rename is the commit.
 """
@@ -19,6 +21,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -28,7 +31,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
-from .direct_io import use_direct_io
+from .direct_io import PageCacheWatch, page_cache_watch, use_direct_io
 from .fileops import TMP_PREFIX, check_free_space, discard, libc_function, pwrite_all, writing
 from .files import tensor_bytes
 from .header import header_bytes, layout
@@ -88,6 +91,9 @@ class _DirectBlocks:
 
 #: buffered writes at least this large start their writeback at once (:func:`start_writeback`)
 _WRITEBACK_MIN_BYTES = 1 << 20
+#: a watched save's buffered writes go in pieces this large, each timed (a buffer of 500 MB can
+#: turn direct part way)
+_WATCHED_PIECE = 8 << 20
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 
@@ -109,7 +115,8 @@ class _PlannedFile:
     into a reserved space when it depends on the data."""
 
     def __init__(self, final: Path, items: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 metadata: Mapping[str, str] | None, reserve: int | None, direct: bool = False) -> None:
+                 metadata: Mapping[str, str] | None, reserve: int | None, direct: bool = False,
+                 watch: PageCacheWatch | None = None) -> None:
         self.final = final
         self.tmp = final.with_name(f"{TMP_PREFIX}{secrets.token_hex(4)}-{final.name}")
         self.layout = layout(items)
@@ -122,6 +129,7 @@ class _PlannedFile:
         self.header_len = len(header_bytes(self.layout, placeholder))
         self.fd = -1
         self.direct_wanted = direct and self.size >= DIRECT_MIN_BYTES
+        self.watch = watch if not self.direct_wanted and self.size >= DIRECT_MIN_BYTES else None
         self.direct: _DirectBlocks | None = None
         self.written: set[str] = set()
         self.done = False
@@ -135,17 +143,25 @@ class _PlannedFile:
             self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             os.ftruncate(self.fd, self.size)
             if self.direct_wanted:
-                try:
-                    self.direct = _DirectBlocks(self.tmp)
-                except OSError:  # refused after all: the page cache it is
-                    self.direct = None
+                self._open_direct()
+
+    def _open_direct(self) -> None:
+        try:
+            self.direct = _DirectBlocks(self.tmp)
+        except OSError:  # refused after all: the page cache it is
+            self.direct = None
+        self.watch = None
 
     def write(self, keys: tuple[str, ...], data: memoryview) -> None:
         """Write ``data`` at the offset of ``keys[0]``: the bytes of the buffers ``keys``, laid out one
         after another."""
         self.open()
-        key = keys[0]
-        offset = 8 + self.header_len + self.offsets[key][2]
+        self._write(data, 8 + self.header_len + self.offsets[keys[0]][2])
+        self.written.update(keys)
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        if self.watch is not None and self.watch.direct:
+            self._open_direct()
         if self.direct is not None and len(data) >= 2 * _BLOCK:
             try:
                 done = self.direct.write(data, offset)
@@ -155,12 +171,24 @@ class _PlannedFile:
                 head = -offset % _BLOCK
                 pwrite_all(self.fd, data[:head], offset)
                 pwrite_all(self.fd, data[head + done:], offset + head + done)
-                self.written.update(keys)
                 return
+        if self.watch is None or len(data) < _WRITEBACK_MIN_BYTES:
+            self._write_buffered(data, offset)
+            return
+        for at in range(0, len(data), _WATCHED_PIECE):  # timed piece by piece; direct from where it falls behind
+            piece = data[at:at + _WATCHED_PIECE]
+            start = time.perf_counter()
+            pwrite_all(self.fd, piece, offset + at)
+            if self.watch.timed(len(piece), time.perf_counter() - start) and at + len(piece) < len(data):
+                start_writeback(self.fd, offset + at, len(piece))
+                self._write(data[at + len(piece):], offset + at + len(piece))
+                return
+            start_writeback(self.fd, offset + at, len(piece))
+
+    def _write_buffered(self, data: memoryview, offset: int) -> None:
         pwrite_all(self.fd, data, offset)
         if len(data) >= _WRITEBACK_MIN_BYTES:
             start_writeback(self.fd, offset, len(data))
-        self.written.update(keys)
 
     def _close_direct(self) -> None:
         if self.direct is not None:
@@ -256,7 +284,9 @@ class ShardSet:
         total = sum(math.prod(shape) * dtype.itemsize for items in groups for _, shape, dtype in items)
         check_free_space(root, total + sum(1024 + 160 * len(items) for items in groups))  # data and headers
         direct = use_direct_io(root, total)
-        self.files = [_PlannedFile(final, items, metadata, reserve, direct) for final, items in zip(finals, groups)]
+        watch = page_cache_watch(root) if not direct and total >= DIRECT_MIN_BYTES else None
+        self.files = [_PlannedFile(final, items, metadata, reserve, direct, watch)
+                      for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
         self._hasher: ThreadPoolExecutor | None = None
         self._renamed: list[Path] = []
