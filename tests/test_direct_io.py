@@ -113,14 +113,14 @@ def test_a_large_checkpoint_on_a_disk_follows_the_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)  # nothing fits
     made = _count_direct_files(monkeypatch)
     calls = []
-    monkeypatch.setattr(direct_io, "_measure", lambda d: calls.append(d) or FAST_DIRECT)
+    monkeypatch.setattr(direct_io, "_measure", lambda d, direct: calls.append(d) or (2e9 if direct else 1e9))
     _save_and_check(tmp_path / "a", _state())
     _save_and_check(tmp_path / "b", _state())
     memory = fs.fstype in direct_io.MEMORY_FILE_SYSTEMS
-    assert len(calls) == (0 if memory or not fs.direct else 1)  # probed once, then remembered
+    assert len(calls) == (0 if memory or not fs.direct else 2)  # probed once each way, then remembered
     assert bool(made) == (fs.direct and not memory)
     monkeypatch.setattr(direct_io, "_probes", {})
-    monkeypatch.setattr(direct_io, "_measure", lambda d: SLOW_DIRECT)
+    monkeypatch.setattr(direct_io, "_measure", lambda d, direct: 1e9 if direct else 2e9)
     made.clear()
     _save_and_check(tmp_path / "c", _state())
     assert made == []
@@ -132,9 +132,10 @@ def test_the_probe_measures_both_ways_and_leaves_nothing(tmp_path):
         assert os.write(fd, b"x") == 1 and list(tmp_path.iterdir()) == []
     finally:
         os.close(fd)
-    rates = direct_io._measure(tmp_path)
+    rates = direct_io._probe(tmp_path, 99)
     if direct_io.file_system(tmp_path).direct:
         assert rates.buffered > 0 and rates.direct > 0 and rates.direct_wins == (rates.direct >= 0.9 * rates.buffered)
+        assert direct_io._probes == {(99, False): rates.buffered, (99, True): rates.direct}
     else:
         assert rates is None   # the direct half refused
     assert list(tmp_path.iterdir()) == []
@@ -142,8 +143,7 @@ def test_the_probe_measures_both_ways_and_leaves_nothing(tmp_path):
 
 def _watch(monkeypatch, direct_rate: float | None) -> direct_io.PageCacheWatch:
     probes = []
-    rates = None if direct_rate is None else direct_io.Rates(1e9, direct_rate)
-    monkeypatch.setattr(direct_io, "_probe", lambda d, dev: probes.append(d) or rates)
+    monkeypatch.setattr(direct_io, "_rate", lambda d, dev, direct: probes.append(direct) or direct_rate)
     watch = direct_io.PageCacheWatch(Path("."), 1)
     watch.probes = probes
     return watch
@@ -157,7 +157,7 @@ def test_a_watch_turns_direct_once_its_latest_writes_fell_behind_the_disk(monkey
     watch = _watch(monkeypatch, direct_rate=1e9)
     for i in range(3):
         assert not watch.timed(piece, piece / 4e9) and watch.probes == [], i   # not a window yet
-    assert not watch.timed(piece, piece / 4e9) and len(watch.probes) == 1    # a window at 4 GB/s
+    assert not watch.timed(piece, piece / 4e9) and watch.probes == [True]    # a window at 4 GB/s; the disk's rate
     # one write at 0.5 GB/s: the window is 3 at 4 GB/s and it, 1.5 GB/s in all; a second: 0.9 GB/s
     assert not watch.timed(piece, piece / 0.5e9)
     assert watch.timed(piece, piece / 0.5e9)
@@ -194,7 +194,7 @@ def test_a_save_whose_page_cache_falls_behind_goes_direct_part_way(tmp_path, mon
     monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(shards, "_WATCHED_PIECE", 256 << 10)
     monkeypatch.setattr(direct_io, "WATCH_BYTES", 512 << 10)
-    monkeypatch.setattr(direct_io, "_measure", lambda d: direct_io.Rates(1e9, direct_rate))
+    monkeypatch.setattr(direct_io, "_measure", lambda d, direct: direct_rate if direct else 1e9)
     made = _count_direct_files(monkeypatch)
     pieces = []
     real = shards.pwrite_all
@@ -216,7 +216,7 @@ def test_tmpfs_is_written_buffered_however_large(monkeypatch):
         assert fs.fstype == "tmpfs"
         monkeypatch.setattr(shards, "DIRECT_MIN_BYTES", 0)
         monkeypatch.setattr(direct_io, "cache_budget", lambda: 0)
-        monkeypatch.setattr(direct_io, "_measure", lambda d: pytest.fail("probed a tmpfs"))
+        monkeypatch.setattr(direct_io, "_measure", lambda d, direct: pytest.fail("probed a tmpfs"))
         made = _count_direct_files(monkeypatch)
         _save_and_check(work / "ckpt", _state())
         assert made == []

@@ -57,7 +57,7 @@ class Rates:
         return self.direct >= DIRECT_MARGIN * self.buffered
 
 
-_probes: dict[int, Rates | None] = {}   # st_dev → the probe's rates (None: it failed), for this process
+_probes: dict[tuple[int, bool], float | None] = {}   # (st_dev, direct) → bytes/s (None: refused), this process
 _file_systems: dict[int, "FileSystem"] = {}   # st_dev → what was found there, for this process
 _lock = threading.Lock()
 
@@ -223,38 +223,42 @@ class PageCacheWatch:
                 n, t = self._window.popleft()
                 self._bytes, self._seconds = self._bytes - n, self._seconds - t
             if self._bytes >= WATCH_BYTES:
-                rates = _probe(self.directory, self.device)
-                self.direct = rates is not None and self._bytes < rates.direct * self._seconds
+                disk = _rate(self.directory, self.device, direct=True)
+                self.direct = disk is not None and self._bytes < disk * self._seconds
             return self.direct
 
 
 def _probe(directory: Path, device: int) -> Rates | None:
-    """The :class:`Rates` of buffered + fsync and of direct writes of :data:`PROBE_BYTES` here
-    (measured once per file system per process; None where a write was refused)."""
+    """The :class:`Rates` of the file system holding ``directory`` (None where a write was refused)."""
+    buffered = _rate(directory, device, direct=False)
+    disk = _rate(directory, device, direct=True)
+    return None if buffered is None or disk is None else Rates(buffered, disk)
+
+
+def _rate(directory: Path, device: int, direct: bool) -> float | None:
+    """Bytes/s of a write of :data:`PROBE_BYTES` + fsync in ``directory``, buffered or direct;
+    measured once per file system per process (None where refused)."""
     with _lock:
-        if device not in _probes:
-            _probes[device] = _measure(directory)
-        return _probes[device]
+        if (device, direct) not in _probes:
+            _probes[device, direct] = _measure(directory, direct)
+        return _probes[device, direct]
 
 
-def _measure(directory: Path) -> Rates | None:
+def _measure(directory: Path, direct: bool) -> float | None:
     data = mmap.mmap(-1, PROBE_BYTES)            # page-aligned, as O_DIRECT needs
     data.write(secrets.token_bytes(_BLOCK) * (PROBE_BYTES // _BLOCK))
     try:
-        timings = {}
-        for direct in (False, True):
-            start = time.perf_counter()
-            fd = _scratch(directory, os.O_DIRECT if direct else 0)
-            try:
-                with memoryview(data) as view:
-                    done = 0
-                    while done < PROBE_BYTES:
-                        done += os.write(fd, view[done:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            timings[direct] = max(time.perf_counter() - start, 1e-9)
-        return Rates(PROBE_BYTES / timings[False], PROBE_BYTES / timings[True])
+        start = time.perf_counter()
+        fd = _scratch(directory, os.O_DIRECT if direct else 0)
+        try:
+            with memoryview(data) as view:
+                done = 0
+                while done < PROBE_BYTES:
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return PROBE_BYTES / max(time.perf_counter() - start, 1e-9)
     except OSError:
         return None
     finally:
