@@ -150,9 +150,11 @@ def paths(args) -> None:
             model.save_pretrained(work / f"{kind}_bf16")
             ts.save_quantized(ts.quantize_model(model, args.recipe, columnwise=False), work / f"{kind}_te")
             del model
-        for _ in range(args.repeat):
+        for r in range(args.repeat):
             for mode in ("quantize_on_load", "save", "load", "export"):
-                for kind, (arch, kw) in _configs(args.gib).items():  # alternated, dense and MoE
+                # alternated, and in turn first: on a VM whose balloon reports free pages, a child's speed
+                # depends on the memory the one before it freed (see docs/checkpoints.md)
+                for kind, (arch, kw) in sorted(_configs(args.gib).items(), reverse=bool(r % 2)):
                     for old in (".again", ".export"):
                         shutil.rmtree(work / f"{kind}_te{old}", ignore_errors=True)
                     os.sync()   # the last run's deletions and writeback land before this one, not in it
