@@ -171,10 +171,14 @@ def test_a_watch_turns_direct_once_its_latest_writes_fell_behind_the_disk(monkey
 def test_which_saves_are_watched(tmp_path, monkeypatch):
     fs = direct_io.file_system(tmp_path)
     watched = fs.direct and fs.fstype not in direct_io.MEMORY_FILE_SYSTEMS
-    assert (direct_io.page_cache_watch(tmp_path / "not" / "made") is not None) == watched
+    monkeypatch.setattr(direct_io, "cache_budget", lambda: GIB)   # what follows fits: buffered
+    mib64 = 64 << 20
+    direct, watch = direct_io.write_mode(tmp_path / "not" / "made", mib64, watch_from=mib64)
+    assert not direct and (watch is not None) == watched
+    assert direct_io.write_mode(tmp_path, mib64 - 1, watch_from=mib64) == (False, None)   # too small to go direct
     for setting in ("0", "1"):   # a forced choice is never second-guessed
         monkeypatch.setenv(direct_io.DIRECT_IO_ENV, setting)
-        assert direct_io.page_cache_watch(tmp_path) is None
+        assert direct_io.write_mode(tmp_path, mib64, watch_from=0)[1] is None
 
 
 def _big_state():

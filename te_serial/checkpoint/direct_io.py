@@ -181,23 +181,18 @@ def _where(directory: Path) -> Path:
     return directory
 
 
-def use_direct_io(directory: Path, total_bytes: int) -> bool:
-    """Whether a save of ``total_bytes`` into ``directory`` writes its whole blocks with O_DIRECT."""
+def write_mode(directory: Path, total_bytes: int, watch_from: int) -> "tuple[bool, PageCacheWatch | None]":
+    """How a save of ``total_bytes`` into ``directory`` writes: whether its whole blocks go with
+    O_DIRECT from the start, and else the watch that may turn it direct on the way (a save of at
+    least ``watch_from`` bytes where it could go direct and no setting forces a choice), or None."""
     if forced() is False or not hasattr(os, "O_DIRECT"):
-        return False
+        return False, None
     directory = _where(directory)
     fs = file_system(directory)
-    return decide(fs, total_bytes, cache_budget(), probe=lambda: _probe(directory, fs.device))
-
-
-def page_cache_watch(directory: Path) -> "PageCacheWatch | None":
-    """The watch over a buffered save into ``directory``, or None where it could never go direct
-    (no O_DIRECT, a memory-backed file system, or ``TE_SERIAL_DIRECT_IO`` set either way)."""
-    if forced() is not None or not hasattr(os, "O_DIRECT"):
-        return None
-    directory = _where(directory)
-    fs = file_system(directory)
-    return PageCacheWatch(directory, fs.device) if _may_go_direct(fs) else None
+    if decide(fs, total_bytes, cache_budget(), probe=lambda: _probe(directory, fs.device)):
+        return True, None
+    watched = forced() is None and total_bytes >= watch_from and _may_go_direct(fs)
+    return False, PageCacheWatch(directory, fs.device) if watched else None
 
 
 class PageCacheWatch:

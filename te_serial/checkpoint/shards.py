@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
-from .direct_io import PageCacheWatch, page_cache_watch, use_direct_io
+from .direct_io import PageCacheWatch, write_mode
 from .fileops import TMP_PREFIX, check_free_space, discard, libc_function, pwrite_all, writing
 from .files import tensor_bytes
 from .header import header_bytes, layout
@@ -48,7 +48,7 @@ _STAGE_BYTES = 8 << 20
 class _DirectBlocks:
     """The whole blocks of a file, written with ``O_DIRECT`` from an aligned staging buffer.
 
-    Used where :func:`.direct_io.use_direct_io` chose it (a checkpoint larger than the page cache
+    Used where :func:`.direct_io.write_mode` chose it (a checkpoint larger than the page cache
     it can count on, on a file system whose direct writes keep up): there buffered writes of
     computed data can slow down several times once the dirty pages pile up, where direct ones keep
     the disk's speed. A buffer's partial first and last blocks go through the page cache
@@ -179,11 +179,11 @@ class _PlannedFile:
             piece = data[at:at + _WATCHED_PIECE]
             start = time.perf_counter()
             pwrite_all(self.fd, piece, offset + at)
-            if self.watch.timed(len(piece), time.perf_counter() - start) and at + len(piece) < len(data):
-                start_writeback(self.fd, offset + at, len(piece))
+            behind = self.watch.timed(len(piece), time.perf_counter() - start)
+            start_writeback(self.fd, offset + at, len(piece))
+            if behind and at + len(piece) < len(data):
                 self._write(data[at + len(piece):], offset + at + len(piece))
                 return
-            start_writeback(self.fd, offset + at, len(piece))
 
     def _write_buffered(self, data: memoryview, offset: int) -> None:
         pwrite_all(self.fd, data, offset)
@@ -283,8 +283,7 @@ class ShardSet:
         finals = [single] if single is not None else [root / shard_name(i, n) for i in range(n)]
         total = sum(math.prod(shape) * dtype.itemsize for items in groups for _, shape, dtype in items)
         check_free_space(root, total + sum(1024 + 160 * len(items) for items in groups))  # data and headers
-        direct = use_direct_io(root, total)
-        watch = page_cache_watch(root) if not direct and total >= DIRECT_MIN_BYTES else None
+        direct, watch = write_mode(root, total, watch_from=DIRECT_MIN_BYTES)
         self.files = [_PlannedFile(final, items, metadata, reserve, direct, watch)
                       for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
