@@ -317,6 +317,60 @@ def test_streaming_writer_writes_planned_shards_and_commits_at_close(tmp_path):
     assert not list(path.glob(".te_serial-tmp-*")) and len(list(path.glob("*.safetensors"))) == len(w.manifest.files)
 
 
+@pytest.mark.parametrize("single", [False, True])
+def test_writer_streams_a_grouped_tensor_a_range_of_members_at_a_time(tmp_path, single):
+    """``write_members`` writes an expert stack in ranges, in order: the same file bytes and checksums as
+    ``write`` of the whole; a range out of order, past the end or in another format is refused, and a
+    stack left part-written is never committed."""
+    from te_serial.checkpoint import CheckpointWriter
+    from te_serial.formats.grouped import GroupedTensor
+    stack = GroupedTensor.from_members([ts.MXFP8Quantizer(columnwise=False)(torch.randn(64, 64) * (i + 1))
+                                        for i in range(5)])
+    plain = torch.randn(7)
+    protos = {"w": ts.to_tensor_proto(stack), "b": ts.to_tensor_proto(plain)}
+    name = "ck.safetensors" if single else "ck"
+    with CheckpointWriter(tmp_path / "whole" / name, protos) as w:
+        w.write("w", stack)
+        w.write("b", plain)
+    with CheckpointWriter(tmp_path / "parts" / name, protos) as w:
+        for a, b in ((0, 2), (2, 3), (3, 5)):
+            w.write_members("w", stack.member_range(a, b))
+        w.write("b", plain)
+    with ts.open(tmp_path / "whole" / name) as x, ts.open(tmp_path / "parts" / name) as y:
+        for n in protos:
+            assert x.manifest.tensors[n].proto == y.manifest.tensors[n].proto
+            assert [e.checksum for e in x.manifest.tensors[n].buffers.values()] == \
+                [e.checksum for e in y.manifest.tensors[n].buffers.values()]
+    out = ts.load_quantized(tmp_path / "parts" / name, verify=True)
+    assert_same_tensor(out["w"], stack, "w")
+    other = GroupedTensor.from_members([ts.MXFP8Quantizer(columnwise=True)(torch.randn(64, 64)) for _ in range(2)])
+    with pytest.raises(tse.CheckpointError, match="never written"):
+        with CheckpointWriter(tmp_path / "bad", protos) as w:
+            w.write_members("w", stack.member_range(0, 2))
+            with pytest.raises(tse.UnsupportedValueError, match="do not match"):
+                w.write_members("w", other)                     # another format
+            with pytest.raises(tse.UnsupportedValueError, match="members 2.."):
+                w.write_members("w", stack.member_range(0, 4))  # past the end
+            with pytest.raises(tse.UnsupportedValueError, match="expected members 0.."):
+                w.write_members("b", plain)                     # not a grouped tensor
+            w.write("b", plain)
+    assert not (tmp_path / "bad" / "te_serial.msgpack").exists() and not list((tmp_path / "bad").iterdir())
+
+
+def test_shard_parts_come_in_order(tmp_path):
+    from te_serial.checkpoint.shards import ShardSet
+    files = ShardSet(tmp_path, [("k", (8,), torch.uint8)], limit=1 << 20, shard_name=lambda i, n: "x.safetensors")
+    files.write_part("k", torch.arange(3, dtype=torch.uint8), 0, with_checksum=True)
+    with pytest.raises(tse.CheckpointError, match="parts come in order"):
+        files.write_part("k", torch.arange(3, dtype=torch.uint8), 4, with_checksum=True)
+    with pytest.raises(tse.CheckpointError, match="hashed all or none"):
+        files.write_part("k", torch.arange(3, dtype=torch.uint8), 3)
+    import xxhash
+    assert files.write_part("k", torch.arange(5, dtype=torch.uint8), 3, with_checksum=True) == \
+        xxhash.xxh3_64_intdigest(bytes([0, 1, 2, 0, 1, 2, 3, 4]))
+    files.abort()
+
+
 def test_writer_refuses_a_tensor_unlike_its_prototype_and_an_unwritten_plan(tmp_path):
     from te_serial.checkpoint import CheckpointWriter
     protos = {"a": ts.to_tensor_proto(torch.zeros(4)), "b": ts.to_tensor_proto(torch.zeros(2))}

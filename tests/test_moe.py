@@ -589,6 +589,64 @@ def test_an_export_reads_a_stacks_experts_together_with_the_same_bytes(recipe, t
     assert not (tmp_path / "bad" / "config.json").exists() and not list((tmp_path / "bad").glob("*.safetensors"))
 
 
+def _same_checkpoint(a: Path, b: Path) -> None:
+    """Two te-serial checkpoints with the same tensors, prototypes, buffer bytes and checksums."""
+    with ts.open(a) as x, ts.open(b) as y:
+        assert list(x.keys()) == list(y.keys())
+        for name in x.keys():
+            assert x.manifest.tensors[name].proto == y.manifest.tensors[name].proto, name
+            assert [e.checksum for e in x.manifest.tensors[name].buffers.values()] == \
+                [e.checksum for e in y.manifest.tensors[name].buffers.values()], name
+            assert_same_tensor(y.get(name), x.get(name), name)
+
+
+@pytest.mark.parametrize("source", ["gpt_oss", "te_serial"])
+def test_a_stack_larger_than_an_item_converts_a_range_of_experts_at_a_time(source, tmp_path, monkeypatch):
+    """A te-serial output's expert stack larger than a pipeline item is read, converted and written a
+    range of experts at a time (never read whole), and gives the checkpoint, checksums and report the
+    whole stack gives; a corrupted range fails the conversion before anything is committed."""
+    import _mxfp4_data as D
+    from te_serial.conversion import core
+    from te_serial.conversion.sources import Source
+    from te_serial.errors import CheckpointError
+    if source == "gpt_oss":
+        src, _ = D.gpt_oss_checkpoint(tmp_path / "src")
+    else:
+        src = tmp_path / "src"
+        ts.save_quantized(ts.quantize_model(build("qwen3_moe"), "mxfp4", columnwise=False), src)
+    whole = ts.convert(src, tmp_path / "whole", recipe="mxfp8")
+    stacks = {t.name for t in whole.tensors if t.target.startswith("grouped")}
+    assert len(stacks) == 4 and all(t.label == "lossless" for t in whole.tensors if t.name in stacks)
+    reads = []
+    for cls in {Source, *Source.__subclasses__()}:   # every source's member reads, recorded
+        if "stream_members" in vars(cls):
+            orig = vars(cls)["stream_members"]
+            monkeypatch.setattr(cls, "stream_members", lambda self, name, a, b, _o=orig: reads.append((name, a, b))
+                                or _o(self, name, a, b))
+    monkeypatch.setattr(core, "PIECE_BATCH_BYTES", 1)   # every stack: one expert per item
+    parts = ts.convert(src, tmp_path / "parts", recipe="mxfp8")
+    _same_checkpoint(tmp_path / "whole", tmp_path / "parts")
+    assert [t.to_dict() for t in parts.tensors] == [t.to_dict() for t in whole.tensors]
+    n = {t.name: t.shape[0] for t in whole.tensors if t.name in stacks}
+    assert sorted(reads) == sorted((name, i, i + 1) for name in stacks for i in range(n[name]))
+    if source == "gpt_oss":
+        return
+    with ts.open(src) as ck:
+        stack = sorted(stacks)[-1]
+        _, file, key = ck.manifest.locations(stack)[0][:3]
+    shard = src / file
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8:header])[key]["data_offsets"]
+    data[header + end - 3] ^= 0x40   # a byte of the stack's last expert
+    shard.write_bytes(bytes(data))
+    before = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    with pytest.raises(CheckpointError, match="checksum"):
+        ts.convert(src, tmp_path / "whole", recipe="mxfp8", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == before   # the previous conversion stays
+    _same_checkpoint(tmp_path / "whole", tmp_path / "parts")
+
+
 def _export_files(out):
     from safetensors import safe_open
     keys = {}

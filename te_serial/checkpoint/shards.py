@@ -152,12 +152,14 @@ class _PlannedFile:
             self.direct = None
         self.watch = None
 
-    def write(self, keys: tuple[str, ...], data: memoryview) -> None:
-        """Write ``data`` at the offset of ``keys[0]``: the bytes of the buffers ``keys``, laid out one
-        after another."""
+    def write(self, keys: tuple[str, ...], data: memoryview, at: int = 0, last: bool = True) -> None:
+        """Write ``data`` at the offset of ``keys[0]`` (plus ``at`` bytes): the bytes of the buffers
+        ``keys``, laid out one after another, or (``last`` False) a part of one, written at last by
+        the part that ends it."""
         self.open()
-        self._write(data, 8 + self.header_len + self.offsets[keys[0]][2])
-        self.written.update(keys)
+        self._write(data, 8 + self.header_len + self.offsets[keys[0]][2] + at)
+        if last:
+            self.written.update(keys)
 
     def _write(self, data: memoryview, offset: int) -> None:
         if self.watch is not None and self.watch.direct:
@@ -288,6 +290,7 @@ class ShardSet:
                       for final, items in zip(finals, groups)]
         self.file_of = {key: i for i, items in enumerate(groups) for key, _, _ in items}
         self._hasher: ThreadPoolExecutor | None = None
+        self._parts: dict[str, tuple[int, xxhash.xxh3_64 | None]] = {}   # key → (bytes written, its hash so far)
         self._renamed: list[Path] = []
 
     @property
@@ -322,6 +325,44 @@ class ShardSet:
             if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
                 f.finish()
         return digest.result() if digest is not None else None
+
+    def write_part(self, key: str, t: torch.Tensor, at: int, *, with_checksum: bool = False) -> int | None:
+        """Write ``t`` (contiguous, the planned dtype's item size) at byte ``at`` of buffer ``key``: a
+        buffer too large to hold at once, streamed in parts in order (each ``at`` is where the one
+        before ended). Its XXH3-64 of every part, in order, with the part that ends it when asked
+        (None before)."""
+        i = self.file_of.get(key)
+        if i is None:
+            raise CheckpointError("buffer is not in the planned layout", field=key)
+        f = self.files[i]
+        shape, dtype, _ = f.offsets[key]
+        total, data = math.prod(shape) * dtype.itemsize, tensor_bytes(t)
+        done, state = self._parts.get(key, (0, None))
+        if key in f.written or t.element_size() != dtype.itemsize or at != done or at + len(data) > total:
+            raise CheckpointError(f"a part of {len(data)} bytes at byte {at} does not continue the buffer "
+                                  f"({done} of its {total} bytes written; parts come in order)",
+                                  file=str(f.final), field=key)
+        if at and with_checksum != (state is not None):
+            raise CheckpointError("a buffer's parts are hashed all or none", file=str(f.final), field=key)
+        if with_checksum and state is None:
+            state = xxhash.xxh3_64()
+        pending = None
+        if with_checksum:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
+            pending = self._hasher.submit(state.update, data)   # the hasher's one thread keeps the order
+        last = at + len(data) == total
+        with writing(f.final):
+            f.write((key,), data, at, last)
+            if pending is not None:
+                pending.result()
+            if last and f.complete:
+                f.finish()
+        if not last:
+            self._parts[key] = (at + len(data), state)
+            return None
+        self._parts.pop(key, None)
+        return state.intdigest() if with_checksum else None
 
     def write_run(self, keys: Sequence[str], t: torch.Tensor) -> bool:
         """Write the buffers ``keys`` with one write, where they lie one after another in one file (as

@@ -132,6 +132,7 @@ class CheckpointWriter:
         self.single = self.path.suffix == ".safetensors"
         self.manifest: Manifest | None = None
         self._entries: dict[str, TensorEntry] = {}
+        self._members: dict[str, tuple[int, TensorProto]] = {}   # a grouped tensor written in parts: (members done, its proto)
         self._closed = False
         layout = [(buffer_key(name, b), shape, dtype) for name, proto in self.protos.items()
                   if name not in self.aliases for b, (shape, dtype) in expected_buffers(proto).items()]
@@ -190,11 +191,52 @@ class CheckpointWriter:
             key = buffer_key(name, b)
             digest = self._files.write(key, t.cpu() if t.device.type != "cpu" else t,
                                        with_checksum=self.checksums)
-            file = SELF_FILE if self.single else self._files.names[self._files.file_of[key]]
-            entries[b] = BufferEntry(file, key, tuple(t.shape), t.dtype, digest)
+            entries[b] = BufferEntry(self._file_of(key), key, tuple(t.shape), t.dtype, digest)
         self._entries[name] = TensorEntry(proto, entries)
 
     add = write
+
+    def write_members(self, name: str, part: Any) -> None:
+        """Stream the next experts of the planned grouped tensor ``name``: ``part``, a grouped tensor of
+        its members ``k`` .. ``k + n - 1`` after the ``k`` written before (a stack too large to hold
+        at once, written a range of experts at a time). The tensor is written with its last member."""
+        if self._closed:
+            raise CheckpointError("checkpoint writer is closed", file=str(self.path), tensor=name)
+        planned = self.protos.get(name)
+        if planned is None or name in self.aliases or name in self._entries:
+            raise UnsupportedValueError(f"tensor {name!r} is not in the writer's plan" if planned is None
+                                        else f"tensor {name!r} is tied to another" if name in self.aliases
+                                        else f"tensor {name!r} written twice")
+        group = planned.quantizer
+        proto, buffers = stored_buffers(name, part)
+        start, first = self._members.get(name, (0, None))
+        count = proto.quantizer.num_tensors if proto.quantizer is not None and proto.quantizer.is_container else 0
+        if group is None or not group.is_container or not count or start + count > group.num_tensors:
+            raise UnsupportedValueError(f"tensor {name!r}: expected members {start}.. of its planned {planned}, "
+                                        f"got {proto}")
+        span, where = group.member_span(start, start + count)
+        whole = TensorProto(planned.shape, proto.dtype, proto.quantizer.of_whole(planned.shape), proto.requires_grad)
+        if expected_buffers(proto) != expected_buffers(TensorProto(span.group_shape, planned.dtype, span)) \
+                or expected_buffers(whole) != expected_buffers(planned):
+            raise UnsupportedValueError(f"members {start}..{start + count - 1} of tensor {name!r} do not match its "
+                                        f"planned prototype ({proto} vs {planned})")
+        if first is not None and whole != first:
+            raise UnsupportedValueError(f"members {start}..{start + count - 1} of tensor {name!r} are {proto}, "
+                                        f"the members before them {first}: a tensor's members share one format")
+        digests = {b: self._files.write_part(buffer_key(name, b), t.cpu() if t.device.type != "cpu" else t,
+                                             where[b][0] * t.element_size(), with_checksum=self.checksums)
+                   for b, t in buffers.items()}
+        if start + count < group.num_tensors:
+            self._members[name] = (start + count, whole)
+            return
+        self._members.pop(name, None)
+        self._entries[name] = TensorEntry(whole, {b: BufferEntry(self._file_of(buffer_key(name, b)), buffer_key(name, b),
+                                                                 shape, dtype, digests[b])
+                                                  for b, (shape, dtype) in expected_buffers(whole).items()})
+
+    def _file_of(self, key: str) -> str:
+        """The manifest's name of the file holding buffer ``key``."""
+        return SELF_FILE if self.single else self._files.names[self._files.file_of[key]]
 
     def close(self) -> Manifest:
         """Finish every file, then commit: shards renamed into place, the manifest last."""

@@ -116,6 +116,7 @@ class TensorPlan:
     alias_of: str | None = None
     shard: int = 0
     export: ExportSpec | None = None     # serving layouts: how a quantized weight is written
+    members: tuple[int, int] | None = None   # a range of a grouped tensor's experts, converted on their own
 
     @property
     def nbytes(self) -> int:
@@ -458,7 +459,9 @@ class _Output:
 
     def write(self, plan: TensorPlan, prepared: "torch.Tensor | dict[str, torch.Tensor] | _Runs") -> None:
         """Write what :meth:`prepare` (or :func:`_export_joined`) made of one tensor."""
-        if self.writer is not None:
+        if self.writer is not None and plan.members is not None:
+            self.writer.write_members(plan.name, prepared)
+        elif self.writer is not None:
             self.writer.write(plan.name, prepared)
         elif isinstance(prepared, _Runs):
             for keys, t in prepared.runs:
@@ -761,6 +764,62 @@ def _batches(source: Source, plans: list[TensorPlan]) -> list[list[TensorPlan]]:
     return out
 
 
+def _member_parts(batch: list[TensorPlan], out: "_Output") -> list[list[TensorPlan]]:
+    """``batch``, or, where it is one expert stack of a te-serial output larger than
+    :data:`PIECE_BATCH_BYTES` that a byte relayout converts member by member, its ranges of experts
+    within that size, each an item of its own: the stack's writing starts with its first experts, and
+    one range is held at a time, not the stack. Each member's bytes are what the whole would give it."""
+    plan = batch[0]
+    step, sq = plan.step, plan.src.quantizer
+    q = step.out_q if step is not None else None
+    if (len(batch) != 1 or out.writer is None or plan.alias_of is not None or plan.nbytes <= PIECE_BATCH_BYTES
+            or step.builder != "exact" or step.requant or step.data_dependent
+            or sq is None or q is None or not (sq.is_container and q.is_container)
+            or sq.member_shapes != q.member_shapes or len(set(q.member_shapes)) != 1
+            or q.of_whole((1, *plan.src.shape[1:])).num_tensors != 1):
+        return [batch]
+    n = q.num_tensors
+    per = max(1, n * PIECE_BATCH_BYTES // plan.nbytes)
+    return [[_member_plan(plan, a, min(a + per, n))] for a in range(0, n, per)]
+
+
+def _member_plan(plan: TensorPlan, start: int, stop: int) -> TensorPlan:
+    """The plan of members ``start`` .. ``stop - 1`` of a stack's plan (:func:`_member_parts`): their
+    source, their output format, and their part of each output buffer."""
+    st, n = plan.src, plan.src.quantizer.num_tensors
+    src_q = st.quantizer.member_span(start, stop)[0]
+    out_q, where = plan.step.out_q.member_span(start, stop)
+    src = dataclasses.replace(st, proto=dataclasses.replace(st.proto, shape=src_q.group_shape, quantizer=src_q),
+                              nbytes=st.nbytes * stop // n - st.nbytes * start // n)
+    dtypes = {k: d for k, _, d in plan.keys}
+    keys = [(buffer_key(plan.name, b), (count,), dtypes[buffer_key(plan.name, b)]) for b, (_, count) in where.items()]
+    return dataclasses.replace(plan, src=src, step=dataclasses.replace(plan.step, out_q=out_q), keys=keys,
+                               members=(start, stop))
+
+
+_LABEL_ORDER = {LOSSLESS: 0, EXACT_CODES: 1, LOSSY: 2}
+
+
+def _joined_report(plan: TensorPlan, parts: list[TensorReport], family: str) -> TensorReport:
+    """The report of a stack converted a range of experts at a time (:func:`_member_parts`): its parts'
+    worst figures (each already the worst of its members', as the whole's is), bytes summed, each
+    note once."""
+    worst = max(parts, key=lambda r: _LABEL_ORDER.get(r.label, 3))
+    routes: dict[str, float] = {}
+    for r in parts:
+        for k, v in r.routes.items():
+            routes[k] = max(v, routes.get(k, v))
+    notes = "; ".join(dict.fromkeys(r.note for r in parts if r.note))
+    step = plan.step
+    return dataclasses.replace(
+        worst, name=plan.name, shape=plan.src.shape, source=_src_fmt(plan.src),
+        target=_fmt(step.out_q, step.out_dtype, family, plan.export, plan.name),
+        max_abs_err=max(r.max_abs_err for r in parts), rel_rmse=max(r.rel_rmse for r in parts),
+        snr_db=min(r.snr_db for r in parts), src_bytes=sum(r.src_bytes for r in parts),
+        dst_bytes=sum(r.dst_bytes for r in parts), note=notes, ulp_max=max(r.ulp_max for r in parts),
+        ulp_elements=sum(r.ulp_elements for r in parts), routes=routes)
+
+
 def _batched_loader(source: Source, plans: list[TensorPlan]) -> Callable[[str], torch.Tensor]:
     """``source.load``, except that a piece of a stored tensor comes with the rest of its batch
     (:func:`_batches`), read together and held until a tensor outside the batch is asked for."""
@@ -793,6 +852,9 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
         """(a stack's pieces joined, read at once, or None; each piece and its check (None for the
         joined, whose check comes with the batch's last piece))."""
         names = [p.name for p in batch]
+        if batch[0].members is not None:  # a range of a stack's experts (:func:`_member_parts`): those bytes only
+            t, check = _guarded(source, batch[0], lambda: source.stream_members(names[0], *batch[0].members))
+            return None, [(t, check)]
         if any(_computes(p.step) for p in batch):
             pieces = _guarded(source, batch[0], lambda: source.load_pieces(names))
             return None, [(to_device(t, dev) if _computes(p.step) else t, None) for p, t in zip(batch, pieces)]
@@ -816,6 +878,9 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
         for i, (plan, (src, check)) in enumerate(zip(batch, items)):
             if joined is not None:
                 result, reports[plan.name] = joined[i]
+            elif plan.members is not None:
+                result, rep, _ = _guarded(source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
+                member_reports.setdefault(plan.name, []).append(rep)
             else:
                 result, reports[plan.name], _ = _guarded(
                     source, plan, lambda: convert_tensor(source, plan, family, src=src, stats=stats))
@@ -836,13 +901,17 @@ def _convert_all(source: Source, plans: list[TensorPlan], family: str, out: "_Ou
             if check is not None:  # before anything is committed
                 _guarded(source, plan, check)
 
-    batches = _batches(source, [p for p in plans if p.alias_of is None])
+    batches = [part for b in _batches(source, [p for p in plans if p.alias_of is None]) for part in _member_parts(b, out)]
+    member_reports: dict[str, list[TensorReport]] = {}
 
     def size(batch: list[TensorPlan]) -> int:
         return sum(map(_output_bytes, batch))
 
     run_pipeline(batches, read, compute, write, size=size,
                  write_budget=3 * max(map(size, batches), default=0) // 2)
+    for plan in plans:
+        if plan.name in member_reports:
+            reports[plan.name] = _joined_report(plan, member_reports[plan.name], family)
     for plan in plans:
         if plan.alias_of is not None:
             st, ref = plan.src, reports.get(plan.alias_of)

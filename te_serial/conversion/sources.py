@@ -526,6 +526,12 @@ class SafetensorsSource(Source):
             return self.read(st.keys["data"])
         return st.keys["layout"].load(self, st)
 
+    def stream_members(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        st = self.tensors[name]
+        if st.quantizer is None or not st.quantizer.is_container:
+            return super().stream_members(name, start, stop)
+        return st.keys["layout"].load_members(self, st, start, stop), None
+
     def file_keys(self, name: str) -> list[str]:
         return [k for k in self.tensors[name].keys.values() if isinstance(k, str) and self.has(k)]
 

@@ -217,6 +217,11 @@ class ExternalLayout:
     def load(self, src: "SafetensorsSource", st: "SourceTensor") -> torch.Tensor:
         raise NotImplementedError
 
+    def load_members(self, src: "SafetensorsSource", st: "SourceTensor", start: int, stop: int) -> torch.Tensor:
+        """Experts ``start`` .. ``stop - 1`` of a grouped weight, as a grouped tensor of their own (a layout
+        that stores experts stacked reads only theirs)."""
+        return self.load(src, st).member_range(start, stop)
+
     def quantizer_for(self, src: "SafetensorsSource", name: str, scheme: str) -> Quantizer:
         """The quantizer a weight comes back with: the te-serial source's own (recorded in the
         sidecar by te-serial's export) when its rowwise buffers are laid out as the scheme's,

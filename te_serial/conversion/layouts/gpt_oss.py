@@ -103,10 +103,13 @@ class GptOss(ExternalLayout):
         return self.expert_representation(scheme, (e, kb * BLOCK, n))
 
     def load(self, src: "SafetensorsSource", st: "SourceTensor") -> torch.Tensor:
-        g = st.quantizer
+        return self.load_members(src, st, 0, st.quantizer.num_tensors)
+
+    def load_members(self, src: "SafetensorsSource", st: "SourceTensor", start: int, stop: int) -> torch.Tensor:
+        g = st.quantizer if (start, stop) == (0, st.quantizer.num_tensors) else st.quantizer.member_span(start, stop)[0]
         member, (n, k) = g.member, g.member_shapes[0]
         blocks, scales = src.read(st.keys["weight"]), src.read(st.keys["scale"])
         members = [assemble(member, (n, k), st.dtype, blocks[i].reshape(n, k // 2), scales[i]).buffers()
-                   for i in range(g.num_tensors)]
+                   for i in range(start, stop)]
         return GroupedTensor(g.group_shape, st.dtype, g, **g.merge_buffers(members, views=True))  # the file's pages
 
