@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 import json
+import re
 
 import pytest
 import torch
@@ -226,13 +227,37 @@ def test_save_load_and_load_into_a_meta_model(arch, recipe, tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("arch", list(CONFIGS))
-def test_quantize_on_load_of_a_save_pretrained_directory_equals_quantize_model(arch, recipe, tmp_path):
+def test_quantize_on_load_of_a_save_pretrained_directory_equals_quantize_model(arch, recipe, tmp_path, monkeypatch):
+    from te_serial.checkpoint.files import SafetensorsFile
     src = build(arch)
     src.save_pretrained(tmp_path / "bf16")
     expected = ts.quantize_model(build(arch), recipe, columnwise=False)
     meta = ts.quantize_model(build(arch, device="meta"), recipe, columnwise=False)
+    mapped, real = [], SafetensorsFile.mapped
+    monkeypatch.setattr(SafetensorsFile, "mapped", lambda self, key, *a, **kw: mapped.append(key) or real(self, key, *a, **kw))
     ts.load_into(meta, tmp_path / "bf16")
     assert_same_model(meta, expected)
+    assert mapped and not [k for k in mapped if re.search(r"experts\.\d+\.", k)]   # experts read into their stack
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_a_quantized_stacks_error_figures_are_its_worst_experts(recipe, tmp_path):
+    """A BF16 stack quantized into a grouped tensor on load is measured expert by expert (never the stack's
+    values at once): its report carries the worst expert's max error and relative RMSE, computed here on
+    their own."""
+    src = build("qwen3_moe")
+    src.save_pretrained(tmp_path / "bf16")   # per-expert keys, read into transformers' 3-D stacks
+    meta = ts.quantize_model(build("qwen3_moe", device="meta"), recipe, columnwise=False)
+    ts.load_into(meta, tmp_path / "bf16")
+    source, loaded = dict(src.named_parameters()), dict(meta.named_parameters())
+    stacks = [t for t in meta.te_serial_report.tensors if isinstance(loaded.get(t.name), GroupedTensor)]
+    assert len(stacks) == 4
+    for t in stacks:
+        x, got = source[t.name].detach().float(), loaded[t.name].dequantize(torch.float32)
+        errs = [float((g - r).abs().max()) for r, g in zip(x, got)]
+        rel = [float(((g - r) ** 2).sum() / (r ** 2).sum()) ** 0.5 for r, g in zip(x, got)]
+        assert t.label == "lossy" and t.max_abs_err == max(errs), t.name
+        assert t.rel_rmse == pytest.approx(max(rel), rel=1e-5), t.name
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_current"])

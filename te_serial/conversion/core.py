@@ -1147,15 +1147,24 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _compare_members(src: torch.Tensor, result: QuantizedTensorStorage) -> ErrorStats | None:
-    """A grouped result against a grouped source of the same members, one member at a time in its own
-    (stored) orientation: no copy of a transposed stack's values. None where the two are not such a pair."""
+    """A grouped result against its source, one member at a time in the member's own (stored)
+    orientation: a grouped source's members, or a plain stack's (views): no copy of a transposed
+    stack's values, and no stack-sized values at once. The worst member's figures; None where the
+    two are not such a pair."""
     sq, rq = getattr(src, "quantizer", None), result.quantizer
-    if not (sq is not None and sq.is_container and rq.is_container and sq.member is not None
-            and rq.member is not None and sq.member_shapes == rq.member_shapes):
+    if not (rq.is_container and rq.member is not None):
+        return None
+    if sq is None:
+        if tuple(src.shape) != tuple(result.logical_shape):
+            return None
+        pairs = zip(rq.split_values(src), result.members())
+    elif sq.is_container and sq.member is not None and sq.member_shapes == rq.member_shapes:
+        pairs = ((values(a), b) for a, b in zip(src.members(), result.members()))
+    else:
         return None
     stats = None
-    for a, b in zip(src.members(), result.members()):
-        s = compare(values(a), values(b))
+    for a, b in pairs:
+        s = compare(a, values(b))
         stats = s if stats is None else stats.worst(s)
     return stats
 

@@ -147,6 +147,13 @@ class Source:
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """The plain tensor ``name`` copied into ``out`` (contiguous, of its shape and dtype): read straight
+        into it where the source can, so no mapping of its pages is made or kept."""
+        t = self.load(name)
+        out.copy_(t)
+        release_pages(t)
+
     def file_keys(self, name: str) -> list[str]:
         """The keys in the source's files that hold tensor ``name``'s bytes (what a loader reading
         the files by key, as transformers does, must leave to te-serial)."""
@@ -526,6 +533,13 @@ class SafetensorsSource(Source):
             return self.read(st.keys["data"])
         return st.keys["layout"].load(self, st)
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        st = self.tensors[name]
+        if st.quantizer is not None or out.shape != st.shape or out.dtype != st.dtype or not out.is_contiguous():
+            return super().read_into(name, out)
+        key = st.keys["data"]
+        self._files[self._where[key]].read_box(key, st.shape, (0,) * len(st.shape), st.shape, out=out)  # one pread
+
     def stream_members(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
         st = self.tensors[name]
         if st.quantizer is None or not st.quantizer.is_container:
@@ -873,15 +887,14 @@ class FusedExpertsView(Source):
         if "experts" not in st.keys:
             return self.inner.load(name)
         g = st.quantizer
-        if g is None:  # plain experts: copied once into the stack, each source's file pages let go
+        if g is None:  # plain experts: each read once, straight into its rows of the stack
             out = torch.empty(st.shape, dtype=st.dtype)
             for i, parts in enumerate(st.keys["experts"]):
                 r = 0
                 for n in parts:
-                    t = self.inner.load(n)
-                    out[i, r:r + t.shape[0]] = t
-                    r += t.shape[0]
-                    release_pages(t)
+                    rows = self.inner.tensors[n].shape[0]
+                    self.inner.read_into(n, out[i, r:r + rows])
+                    r += rows
             return out
         members = []
         for parts in st.keys["experts"]:
