@@ -240,6 +240,27 @@ def test_quantize_on_load_of_a_save_pretrained_directory_equals_quantize_model(a
     assert mapped and not [k for k in mapped if re.search(r"experts\.\d+\.", k)]   # experts read into their stack
 
 
+def test_tensors_loaded_as_mapped_file_pages_hold_no_descriptor(tmp_path):
+    """A model loaded from a Hugging Face directory keeps its plain tensors as mappings of the files'
+    pages, one per tensor: they hold no file descriptor (a model of thousands of tensors would run out
+    of them), and each mapping goes with the last tensor that uses it."""
+    import gc
+    import os
+    build("qwen3_moe").save_pretrained(tmp_path / "bf16")
+
+    def held() -> tuple[int, int]:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd")), Path("/proc/self/maps").read_text().count(str(tmp_path / "bf16"))
+
+    fds, maps = held()
+    model = ts.load_into(build("qwen3_moe", device="meta"), tmp_path / "bf16")
+    assert_same_model(model, build("qwen3_moe"))
+    loaded_fds, loaded_maps = held()
+    assert loaded_fds == fds and loaded_maps > maps + 10   # mapped, one per tensor, no descriptor each
+    del model
+    assert held() == (fds, maps)
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_a_quantized_stacks_error_figures_are_its_worst_experts(recipe, tmp_path):
     """A BF16 stack quantized into a grouped tensor on load is measured expert by expert (never the stack's

@@ -17,6 +17,7 @@ import itertools
 import math
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -105,8 +106,7 @@ class SafetensorsFile:
         if own:
             base = start - start % mmap.ALLOCATIONGRANULARITY
             try:
-                pages = mmap.mmap(self._fd, start + e.nbytes - base, flags=mmap.MAP_PRIVATE,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+                pages = own_pages(self._fd, base, start + e.nbytes - base)
             except OSError:  # a file system that cannot map: the same bytes, read
                 return self.read(key).view(dtype)
             # the tensor holds the mapping (a buffer export) until it is freed
@@ -204,6 +204,39 @@ class SafetensorsFile:
     def __del__(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
+
+@functools.cache
+def _libc_mmap() -> tuple | None:
+    """libc's (mmap, munmap), or None where there are none."""
+    mm = libc_function("mmap", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_int64))
+    un = libc_function("munmap", (ctypes.c_void_p, ctypes.c_size_t))
+    if mm is None or un is None:
+        return None
+    mm.restype = ctypes.c_void_p
+    return mm, un
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def own_pages(fd: int, offset: int, length: int):
+    """A private, writable mapping of ``length`` bytes of file ``fd`` from ``offset`` (a multiple of
+    the allocation granularity), unmapped once the object is freed. It holds no descriptor: Python's
+    mmap keeps a duplicate per mapping, so a model holding thousands of mapped tensors would run out
+    of descriptors. A ctypes array over libc's mapping; Python's mmap where libc has none."""
+    fns = _libc_mmap()
+    if fns is None:
+        return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    mm, un = fns
+    addr = mm(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(pages, un, addr, length)
+    return pages
+
 
 _MADV_PAGEOUT = 21  # <linux/mman.h> (Linux 5.4): reclaim the range's pages; never loses data
 

@@ -121,8 +121,9 @@ class _Worker:
         return [Outcome(**o) for o in reply]
 
     def _read_line(self, timeout: float):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
+        poller = select.poll()   # not select(): it refuses descriptors numbered past 1023
+        poller.register(self.proc.stdout, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             return "no answer"
         line = self.proc.stdout.readline()
         return json.loads(line) if line else "worker exited"
