@@ -302,12 +302,29 @@ class ShardSet:
         shape, dtype, _ = f.offsets[key]
         return shape, dtype
 
-    def write(self, key: str, t: torch.Tensor, *, with_checksum: bool = False) -> int | None:
-        """Write one buffer (shape and dtype as planned) at its offset; its XXH3-64 if asked."""
+    def _planned_file(self, key: str) -> _PlannedFile:
         i = self.file_of.get(key)
         if i is None:
             raise CheckpointError("buffer is not in the planned layout", field=key)
-        f = self.files[i]
+        return self.files[i]
+
+    def _hash(self, fn: Callable, data: memoryview):
+        """``fn(data)`` on the hasher's one thread (in submission order): xxhash and pwrite both
+        release the GIL, so a buffer is hashed while it is written."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
+        return self._hasher.submit(fn, data)
+
+    @staticmethod
+    def _write_to(f: _PlannedFile, keys: tuple[str, ...], data: memoryview, at: int = 0, last: bool = True) -> None:
+        with writing(f.final):
+            f.write(keys, data, at, last)
+            if last and f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
+                f.finish()
+
+    def write(self, key: str, t: torch.Tensor, *, with_checksum: bool = False) -> int | None:
+        """Write one buffer (shape and dtype as planned) at its offset; its XXH3-64 if asked."""
+        f = self._planned_file(key)
         shape, dtype, _ = f.offsets[key]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise CheckpointError(f"buffer is {t.dtype}{list(t.shape)}, the plan says {dtype}{list(shape)}",
@@ -315,15 +332,8 @@ class ShardSet:
         if key in f.written:
             raise CheckpointError("buffer written twice", file=str(f.final), field=key)
         data = tensor_bytes(t)
-        digest = None
-        if with_checksum:
-            if self._hasher is None:  # xxhash and pwrite both release the GIL: hash while writing
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
-            digest = self._hasher.submit(xxhash.xxh3_64_intdigest, data)
-        with writing(f.final):
-            f.write((key,), data)
-            if f.complete:  # a full shard is flushed now: its fsync overlaps the next shard's work
-                f.finish()
+        digest = self._hash(xxhash.xxh3_64_intdigest, data) if with_checksum else None
+        self._write_to(f, (key,), data)
         return digest.result() if digest is not None else None
 
     def write_part(self, key: str, t: torch.Tensor, at: int, *, with_checksum: bool = False) -> int | None:
@@ -331,10 +341,7 @@ class ShardSet:
         buffer too large to hold at once, streamed in parts in order (each ``at`` is where the one
         before ended). Its XXH3-64 of every part, in order, with the part that ends it when asked
         (None before)."""
-        i = self.file_of.get(key)
-        if i is None:
-            raise CheckpointError("buffer is not in the planned layout", field=key)
-        f = self.files[i]
+        f = self._planned_file(key)
         shape, dtype, _ = f.offsets[key]
         total, data = math.prod(shape) * dtype.itemsize, tensor_bytes(t)
         done, state = self._parts.get(key, (0, None))
@@ -346,18 +353,13 @@ class ShardSet:
             raise CheckpointError("a buffer's parts are hashed all or none", file=str(f.final), field=key)
         if with_checksum and state is None:
             state = xxhash.xxh3_64()
-        pending = None
-        if with_checksum:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="te-serial-xxh3")
-            pending = self._hasher.submit(state.update, data)   # the hasher's one thread keeps the order
+        pending = self._hash(state.update, data) if with_checksum else None
         last = at + len(data) == total
-        with writing(f.final):
-            f.write((key,), data, at, last)
+        try:
+            self._write_to(f, (key,), data, at, last)
+        finally:
             if pending is not None:
                 pending.result()
-            if last and f.complete:
-                f.finish()
         if not last:
             self._parts[key] = (at + len(data), state)
             return None
@@ -380,10 +382,7 @@ class ShardSet:
             at += math.prod(spec[0]) * spec[1].itemsize
         if at - f.offsets[keys[0]][2] != t.numel() * t.element_size():
             return False
-        with writing(f.final):
-            f.write(tuple(keys), tensor_bytes(t))
-            if f.complete:
-                f.finish()
+        self._write_to(f, tuple(keys), tensor_bytes(t))
         return True
 
     def finish(self, metadata: Mapping[str, str] | None = None) -> dict[str, int]:

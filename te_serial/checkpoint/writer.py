@@ -174,14 +174,7 @@ class CheckpointWriter:
 
     def write(self, name: str, tensor: Any) -> None:
         """Stream one planned tensor (plain, te-serial quantized, or TE's) to its place."""
-        if self._closed:
-            raise CheckpointError("checkpoint writer is closed", file=str(self.path), tensor=name)
-        planned = self.protos.get(name)
-        if planned is None or name in self.aliases:
-            raise UnsupportedValueError(f"tensor {name!r} is not in the writer's plan"
-                                        + (" (it is tied to another)" if name in self.aliases else ""))
-        if name in self._entries:
-            raise UnsupportedValueError(f"tensor {name!r} written twice")
+        planned = self._planned(name)
         proto, buffers = stored_buffers(name, tensor)
         if expected_buffers(proto) != expected_buffers(planned):
             raise UnsupportedValueError(f"tensor {name!r} does not match its planned prototype "
@@ -200,13 +193,7 @@ class CheckpointWriter:
         """Stream the next experts of the planned grouped tensor ``name``: ``part``, a grouped tensor of
         its members ``k`` .. ``k + n - 1`` after the ``k`` written before (a stack too large to hold
         at once, written a range of experts at a time). The tensor is written with its last member."""
-        if self._closed:
-            raise CheckpointError("checkpoint writer is closed", file=str(self.path), tensor=name)
-        planned = self.protos.get(name)
-        if planned is None or name in self.aliases or name in self._entries:
-            raise UnsupportedValueError(f"tensor {name!r} is not in the writer's plan" if planned is None
-                                        else f"tensor {name!r} is tied to another" if name in self.aliases
-                                        else f"tensor {name!r} written twice")
+        planned = self._planned(name)
         group = planned.quantizer
         proto, buffers = stored_buffers(name, part)
         start, first = self._members.get(name, (0, None))
@@ -233,6 +220,18 @@ class CheckpointWriter:
         self._entries[name] = TensorEntry(whole, {b: BufferEntry(self._file_of(buffer_key(name, b)), buffer_key(name, b),
                                                                  shape, dtype, digests[b])
                                                   for b, (shape, dtype) in expected_buffers(whole).items()})
+
+    def _planned(self, name: str) -> TensorProto:
+        """Tensor ``name``'s planned prototype, where it may be written now."""
+        if self._closed:
+            raise CheckpointError("checkpoint writer is closed", file=str(self.path), tensor=name)
+        planned = self.protos.get(name)
+        if planned is None or name in self.aliases:
+            raise UnsupportedValueError(f"tensor {name!r} is not in the writer's plan"
+                                        + (" (it is tied to another)" if name in self.aliases else ""))
+        if name in self._entries:
+            raise UnsupportedValueError(f"tensor {name!r} written twice")
+        return planned
 
     def _file_of(self, key: str) -> str:
         """The manifest's name of the file holding buffer ``key``."""

@@ -776,7 +776,7 @@ def _member_parts(batch: list[TensorPlan], out: "_Output") -> list[list[TensorPl
             or step.builder != "exact" or step.requant or step.data_dependent
             or sq is None or q is None or not (sq.is_container and q.is_container)
             or sq.member_shapes != q.member_shapes or len(set(q.member_shapes)) != 1
-            or q.of_whole((1, *plan.src.shape[1:])).num_tensors != 1):
+            or len(q.group_shape) != 3):   # a 3-D stack: a range's quantizer widens back (of_whole)
         return [batch]
     n = q.num_tensors
     per = max(1, n * PIECE_BATCH_BYTES // plan.nbytes)

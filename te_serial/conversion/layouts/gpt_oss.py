@@ -106,7 +106,7 @@ class GptOss(ExternalLayout):
         return self.load_members(src, st, 0, st.quantizer.num_tensors)
 
     def load_members(self, src: "SafetensorsSource", st: "SourceTensor", start: int, stop: int) -> torch.Tensor:
-        g = st.quantizer if (start, stop) == (0, st.quantizer.num_tensors) else st.quantizer.member_span(start, stop)[0]
+        g = st.quantizer.member_span(start, stop)[0]
         member, (n, k) = g.member, g.member_shapes[0]
         blocks, scales = src.read(st.keys["weight"]), src.read(st.keys["scale"])
         members = [assemble(member, (n, k), st.dtype, blocks[i].reshape(n, k // 2), scales[i]).buffers()
